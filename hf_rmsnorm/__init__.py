@@ -1,0 +1,7 @@
+"""hf_rmsnorm: fused Triton RMSNorm + residual-add kernels for Hugging Face transformers models."""
+
+from .ops import fused_add_rms_norm, rms_norm
+
+__version__ = "0.1.0"
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "__version__"]

@@ -1,0 +1,229 @@
+"""Triton kernels for RMSNorm with an optional fused residual add, forward and backward.
+
+Memory traffic is the whole cost of these kernels, so each one touches every element the minimum number of
+times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``residual + x`` once (8 bytes per
+element in bf16) plus one fp32 ``rstd`` per row; the backward reads ``dy``, the saved sum and the incoming
+gradient of the sum once and writes the input gradient once.
+
+Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK_M`` rows, so narrow rows
+(``head_dim`` 128 for Qwen3's q/k norms) still give each program enough work. Wider rows loop over column
+blocks: a first pass computes the sum of squares (and writes the residual sum), a second pass re-reads the
+row, which the first pass has just brought into L2, and writes the output.
+
+All arithmetic is in fp32 after loading (which is also what Triton's CPU interpreter needs: it stores bf16 as
+raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` and ``WEIGHT_OFFSET``
+(see ``reference.py``). Row offsets are 64-bit, so a million tokens of width 8192 cannot overflow.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_normed_input(
+    X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum, HAS_RESIDUAL: tl.constexpr
+):
+    """Loads one tile of the norm's input in fp32; with a residual, writes ``residual + x`` rounded to the
+    sum's dtype (exactly as ``residual + x`` rounds in torch) and returns that rounded value."""
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        s = (x + r.to(tl.float32)).to(SUM_OUT.dtype.element_ty)
+        tl.store(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scale_and_store(
+    s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
+    NORM_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
+):
+    """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype."""
+    n = s * rstd[:, None]
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        w = w + WEIGHT_OFFSET
+    if CAST_BEFORE_WEIGHT:
+        # Llama: the normalised row is rounded to the input dtype before the weight multiplies it.
+        n = n.to(NORM_DTYPE).to(tl.float32)
+    y = n * w[None, :]
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if CAST_BEFORE_WEIGHT:
+            # `w * n + b` in the promoted dtype rounds after the product as well.
+            y = y.to(Y.dtype.element_ty).to(tl.float32)
+        y = y + b[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_fwd_kernel(
+    X, RESIDUAL, W, B, Y, SUM_OUT, RSTD,
+    n_rows, n_cols,
+    stride_x, stride_res, stride_y, stride_sum,
+    eps,
+    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    """One program normalises ``BLOCK_M`` rows. ``SUM_OUT`` is the residual sum (unused without residual)."""
+    # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
+    eps = tl.cast(eps, tl.float32)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < n_rows
+    if HAS_RESIDUAL:
+        NORM_DTYPE: tl.constexpr = SUM_OUT.dtype.element_ty
+    else:
+        NORM_DTYPE: tl.constexpr = X.dtype.element_ty
+
+    if SINGLE_TILE:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+                               HAS_RESIDUAL)
+        rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
+        _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
+                         NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+    else:
+        sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+                                   HAS_RESIDUAL)
+            sum_sq += s * s
+        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
+        # The second pass reads back the sum other threads of this program wrote in the first.
+        tl.debug_barrier()
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            mask = row_mask[:, None] & col_mask[None, :]
+            if HAS_RESIDUAL:
+                s = tl.load(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], mask=mask, other=0.0)
+            else:
+                s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+            _scale_and_store(s.to(tl.float32), rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
+                             NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _input_grad_tile(
+    DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy, stride_s,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+):
+    """Loads one tile and returns ``(dy, n, g, n_weighted)``: the output gradient, the normalised row,
+    ``g = dy * w`` (the gradient at the normalised row) and the row the weight was multiplied with."""
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
+    n = s.to(tl.float32) * rstd[:, None]
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        w = w + WEIGHT_OFFSET
+    g = dy * w[None, :]
+    if CAST_BEFORE_WEIGHT:
+        n_weighted = n.to(S.dtype.element_ty).to(tl.float32)
+    else:
+        n_weighted = n
+    return dy, n, g, n_weighted
+
+
+@triton.jit
+def _store_input_grad(
+    dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr,
+):
+    """Folds in the gradient that reached the residual sum and stores the input gradient (twice when x and
+    the residual have different dtypes)."""
+    if HAS_DSUM:
+        dx += tl.load(DSUM + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_DRES:
+        tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_bwd_kernel(
+    DY, DSUM, S, RSTD, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+    stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
+):
+    """Program ``p`` handles a contiguous range of row blocks and writes its own fp32 partial sums of the
+    weight (and bias) gradient into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); the host sums those rows.
+    No atomics, so the result is deterministic, and a program with no rows still writes its zeros."""
+    pid = tl.program_id(0)
+    first_block = pid * row_blocks_per_program
+    end_block = tl.minimum(first_block + row_blocks_per_program, n_row_blocks)
+    partial_row = pid.to(tl.int64) * n_cols
+    if SINGLE_TILE:
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for block in range(first_block, end_block):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < n_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
+                                                    stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+            c = tl.sum(g * n, axis=1) / n_cols
+            dx = (g - n * c[:, None]) * rstd[:, None]
+            _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+                              HAS_DSUM, HAS_DRES)
+            dw_acc += dy * n_weighted
+            if HAS_BIAS:
+                db_acc += dy
+        tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if HAS_BIAS:
+            tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    else:
+        # Wide rows: the partial sums live in this program's own row of DW_PARTIAL (read-modify-write by
+        # the same threads, no other program touches it), so they start at zero.
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < n_cols
+            zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
+            tl.store(DW_PARTIAL + partial_row + cols, zeros, mask=col_mask)
+            if HAS_BIAS:
+                tl.store(DB_PARTIAL + partial_row + cols, zeros, mask=col_mask)
+        # Loads and stores of the partials may map columns to threads differently: order them.
+        tl.debug_barrier()
+        for block in range(first_block, end_block):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < n_rows
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
+                                                        stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+                dot += g * n
+            c = tl.sum(dot, axis=1) / n_cols
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_mask = cols < n_cols
+                mask = row_mask[:, None] & col_mask[None, :]
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
+                                                        stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+                dx = (g - n * c[:, None]) * rstd[:, None]
+                _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+                                  HAS_DSUM, HAS_DRES)
+                dw = tl.load(DW_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
+                tl.store(DW_PARTIAL + partial_row + cols, dw + tl.sum(dy * n_weighted, axis=0), mask=col_mask)
+                if HAS_BIAS:
+                    db = tl.load(DB_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
+                    tl.store(DB_PARTIAL + partial_row + cols, db + tl.sum(dy, axis=0), mask=col_mask)
+            tl.debug_barrier()

@@ -1,0 +1,169 @@
+"""Host side of the Triton kernels: block-size heuristics, output allocation and launches.
+
+Kept lean because decode calls these with a handful of rows, where host time is the whole cost: the
+heuristics are cached per (width, dtype size) and nothing is autotuned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
+from .reference import output_dtype, weight_offset
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
+# The backward keeps more values live per element (dy, n, g and the weight-gradient accumulator).
+FWD_MAX_TILE_N = 16384
+BWD_MAX_TILE_N = 8192
+LOOP_BLOCK_N = 4096
+# Elements per program for narrow rows: several rows share a program so each has enough work.
+TARGET_TILE_ELEMENTS = 4096
+# Backward programs per SM: each keeps its own weight-gradient partials, summed on the host.
+BWD_PROGRAMS_PER_SM = 4
+# The interpreter runs programs one after another; a few are enough to exercise the partial sums.
+INTERPRET_BWD_PROGRAMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
+    """``(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps)`` for rows of ``n_cols`` elements."""
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n > max_tile_n:
+        return 1, LOOP_BLOCK_N, False, 8
+    block_m = max(1, min(64, TARGET_TILE_ELEMENTS // block_n))
+    # About 16 elements (two 128-bit bf16 loads) per thread and tensor, between 4 and 16 warps.
+    num_warps = max(4, min(16, block_m * block_n // 512))
+    return block_m, block_n, True, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view ``[rows, n_cols]`` whose last dim is contiguous; copies only when no such view exists."""
+    if t.dim() != 2:
+        t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _on_device:
+    """Launches on the tensor's own GPU (models split across GPUs) without a context switch when it is
+    already the current one."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, t: torch.Tensor):
+        index = t.device.index
+        self.guard = (
+            torch.cuda.device(index) if t.is_cuda and index is not None and index != torch.cuda.current_device()
+            else None
+        )
+
+    def __enter__(self):
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
+def norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Runs the forward kernel. Returns ``(y, residual + x or None, rstd)`` with ``rstd`` of shape
+    ``x.shape[:-1]`` in fp32."""
+    shape = x.shape
+    n_cols = shape[-1]
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty(shape, dtype=output_dtype(sum_dtype, weight, bias, mode), device=x.device)
+    new_residual = None if residual is None else torch.empty(shape, dtype=sum_dtype, device=x.device)
+    rstd = torch.empty(shape[:-1], dtype=torch.float32, device=x.device)
+    n_rows = rstd.numel()
+    if n_rows == 0 or n_cols == 0:
+        return y, new_residual, rstd
+
+    x2 = _as_rows(x)
+    r2 = x2 if residual is None else _as_rows(residual)
+    y2 = y.view(-1, n_cols)
+    s2 = y2 if new_residual is None else new_residual.view(-1, n_cols)
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
+    with _on_device(x):
+        rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, r2, weight, bias, y2, s2, rstd,
+            n_rows, n_cols,
+            x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
+            eps,
+            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode),
+            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
+            num_warps=num_warps,
+        )
+    return y, new_residual, rstd
+
+
+def norm_backward(
+    dy: torch.Tensor,
+    dsum: torch.Tensor | None,
+    normed_input: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+    mode: str,
+    dx_dtype: torch.dtype,
+    dres_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """Runs the backward kernel. Returns ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only
+    allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``)."""
+    shape = normed_input.shape
+    n_cols = shape[-1]
+    device = normed_input.device
+    dx = torch.empty(shape, dtype=dx_dtype, device=device)
+    dres = None if dres_dtype is None else torch.empty(shape, dtype=dres_dtype, device=device)
+    n_rows = rstd.numel()
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
+    n_row_blocks = triton.cdiv(n_rows, block_m)
+    if n_row_blocks == 0 or n_cols == 0:
+        dweight = torch.zeros_like(weight)
+        dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
+        return dx, dres, dweight, dbias
+
+    if INTERPRET and not dy.is_cuda:
+        n_programs = min(n_row_blocks, INTERPRET_BWD_PROGRAMS)
+    else:
+        n_programs = min(n_row_blocks, _sm_count(device.index or 0) * BWD_PROGRAMS_PER_SM)
+    row_blocks_per_program = triton.cdiv(n_row_blocks, n_programs)
+    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
+    db_partial = None if bias_dtype is None else torch.empty_like(dw_partial)
+
+    dy2 = _as_rows(dy)
+    s2 = _as_rows(normed_input)
+    dsum2 = dy2 if dsum is None else _as_rows(dsum)
+    dx2 = dx.view(-1, n_cols)
+    dres2 = dx2 if dres is None else dres.view(-1, n_cols)
+    with _on_device(dy):
+        rms_norm_bwd_kernel[(n_programs,)](
+            dy2, dsum2, s2, rstd, weight, dx2, dres2, dw_partial, db_partial,
+            n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+            dy2.stride(0), dsum2.stride(0), s2.stride(0), dx2.stride(0), dres2.stride(0),
+            HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
+            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode),
+            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
+            num_warps=num_warps,
+        )
+    dweight = dw_partial.sum(0).to(weight.dtype)
+    dbias = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
+    return dx, dres, dweight, dbias

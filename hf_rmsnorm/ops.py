@@ -1,0 +1,197 @@
+"""Public functional API: ``rms_norm`` and ``fused_add_rms_norm``, as differentiable torch custom ops.
+
+The ops are registered with ``torch.library`` (with fake implementations), so ``torch.compile(fullgraph=True)``
+traces them as single opaque nodes. Each op picks its implementation from the tensor's device: the Triton
+kernels on CUDA/ROCm, and on CPU the same kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` (how the
+test suite exercises them) or else the PyTorch implementation in ``reference.py`` with identical semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .launch import INTERPRET, norm_backward, norm_forward
+
+# dtypes the kernels load; anything else (fp64) takes the PyTorch path, which HF's maths also uses.
+_KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+
+
+def _use_kernels(*tensors: Tensor | None) -> bool:
+    t = tensors[0]
+    if not (t.is_cuda or (INTERPRET and t.device.type == "cpu")):
+        return False
+    return all(u is None or u.dtype in _KERNEL_DTYPES for u in tensors)
+
+
+def _forward(x, residual, weight, bias, eps, mode):
+    if _use_kernels(x, residual, weight, bias):
+        return norm_forward(x, residual, weight, bias, eps, mode)
+    y, normed_input, rstd = reference.forward_reference(x, residual, weight, bias, eps, mode)
+    return y, (None if residual is None else normed_input), rstd
+
+
+def _fake_forward(x, residual, weight, bias, mode):
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = x.new_empty(x.shape, dtype=reference.output_dtype(sum_dtype, weight, bias, mode))
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, x.new_empty(x.shape, dtype=sum_dtype), rstd
+
+
+@torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
+    y, _, rstd = _forward(x, None, weight, bias, eps, mode)
+    return y, rstd
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, bias, eps, mode):
+    y, _, rstd = _fake_forward(x, None, weight, bias, mode)
+    return y, rstd
+
+
+@torch.library.custom_op("hf_rmsnorm::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd(
+    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward(x, residual, weight, bias, eps, mode)
+
+
+@_add_rms_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, mode):
+    return _fake_forward(x, residual, weight, bias, mode)
+
+
+@torch.library.custom_op("hf_rmsnorm::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(
+    dy: Tensor,
+    dsum: Tensor | None,
+    normed_input: Tensor,
+    rstd: Tensor,
+    weight: Tensor,
+    bias_dtype: torch.dtype | None,
+    mode: str,
+    dx_dtype: torch.dtype,
+    dres_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed are empty tensors (custom
+    ops cannot return None, nor one tensor twice)."""
+    if _use_kernels(dy, dsum, normed_input, weight):
+        dx, dres, dweight, dbias = norm_backward(
+            dy, dsum, normed_input, rstd, weight, bias_dtype, mode, dx_dtype, dres_dtype
+        )
+    else:
+        grad, dweight, dbias = reference.backward_reference(
+            dy, dsum, normed_input, rstd, weight, bias_dtype is not None, mode
+        )
+        dx = grad.to(dx_dtype)
+        dres = None if dres_dtype is None else grad.to(dres_dtype)
+        dweight = dweight.to(weight.dtype)
+        dbias = None if dbias is None else dbias.to(bias_dtype)
+    return dx, dx.new_empty(0) if dres is None else dres, dweight, dx.new_empty(0) if dbias is None else dbias
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, dsum, normed_input, rstd, weight, bias_dtype, mode, dx_dtype, dres_dtype):
+    dx = normed_input.new_empty(normed_input.shape, dtype=dx_dtype)
+    dres = dx.new_empty(normed_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
+    dbias = dx.new_empty((normed_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
+    return dx, dres, torch.empty_like(weight), dbias
+
+
+def _save_common(ctx, normed_input: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
+    ctx.save_for_backward(normed_input, rstd, weight)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.mode = mode
+    # Unused outputs (rstd, often the residual sum) then arrive as None instead of materialised zeros.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
+    normed_input, rstd, weight = ctx.saved_tensors
+    if dy is None:
+        dy = normed_input.new_zeros(normed_input.shape, dtype=reference.output_dtype(
+            normed_input.dtype, weight, None, ctx.mode))
+    dx, dres, dweight, dbias = torch.ops.hf_rmsnorm.rms_norm_bwd(
+        dy, dsum, normed_input, rstd, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
+    )
+    return dx, dres, dweight, (dbias if ctx.bias_dtype is not None else None)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, bias, _eps, mode = inputs
+    _save_common(ctx, x, output[1], weight, bias, mode)
+
+
+def _rms_norm_backward(ctx, dy, _drstd):
+    normed_input = ctx.saved_tensors[0]
+    dx, _, dweight, dbias = _backward(ctx, dy, None, normed_input.dtype, None)
+    return dx, dweight, dbias, None, None
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    x, residual, weight, bias, _eps, mode = inputs
+    _save_common(ctx, output[1], output[2], weight, bias, mode)
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype
+
+
+def _add_rms_norm_backward(ctx, dy, dsum, _drstd):
+    # One gradient serves x and the residual (the sum's gradient); a second copy only if the dtypes differ.
+    dres_dtype = None if ctx.res_dtype == ctx.x_dtype else ctx.res_dtype
+    dx, dres, dweight, dbias = _backward(ctx, dy, dsum, ctx.x_dtype, dres_dtype)
+    return dx, (dx if dres_dtype is None else dres), dweight, dbias, None, None
+
+
+torch.library.register_autograd("hf_rmsnorm::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup)
+torch.library.register_autograd(
+    "hf_rmsnorm::add_rms_norm_fwd", _add_rms_norm_backward, setup_context=_add_rms_norm_setup
+)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in reference.MODES:
+        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(reference.MODES)}")
+
+
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float = 1e-6, *, bias: Tensor | None = None, mode: str = "llama"
+) -> Tensor:
+    """RMSNorm over the last dimension, numerically identical to Hugging Face's module of that family.
+
+    Args:
+        x: input of shape ``[..., hidden]``; the last dimension must be contiguous or it is copied.
+        weight: ``[hidden]`` scale.
+        eps: added to the mean square, in fp32.
+        bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
+        mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32) or ``"fp32_affine"``
+            (weight and bias applied in fp32, as OLMo2 and LayerNorm do); see ``hf_rmsnorm.reference``.
+
+    Returns:
+        The normalised tensor, in the dtype the Hugging Face module would return.
+    """
+    _check_mode(mode)
+    return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, float(eps), mode)[0]
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    eps: float = 1e-6,
+    *,
+    bias: Tensor | None = None,
+    mode: str = "llama",
+) -> tuple[Tensor, Tensor]:
+    """``new_residual = residual + x`` and ``rms_norm(new_residual)`` in one pass over memory.
+
+    The sum is rounded to ``promote(x.dtype, residual.dtype)`` exactly as ``residual + x`` rounds, and the
+    norm reads that rounded sum, as Hugging Face's decoder layers do.
+
+    Returns:
+        ``(y, new_residual)``.
+    """
+    _check_mode(mode)
+    y, new_residual, _ = torch.ops.hf_rmsnorm.add_rms_norm_fwd(x, residual, weight, bias, float(eps), mode)
+    return y, new_residual
