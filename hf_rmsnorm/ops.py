@@ -1,9 +1,14 @@
-"""Public functional API: ``rms_norm`` and ``fused_add_rms_norm``, as differentiable torch custom ops.
+"""Public functional API: ``rms_norm`` and ``fused_add_rms_norm``, differentiable and torch.compile-able.
 
-The ops are registered with ``torch.library`` (with fake implementations), so ``torch.compile(fullgraph=True)``
-traces them as single opaque nodes. Each op picks its implementation from the tensor's device: the Triton
-kernels on CUDA/ROCm, and on CPU the same kernels in Triton's interpreter when ``TRITON_INTERPRET=1`` (how the
-test suite exercises them) or else the PyTorch implementation in ``reference.py`` with identical semantics.
+The forwards are registered as ``torch.library`` custom ops (with fake implementations), so
+``torch.compile(fullgraph=True)`` traces them as single opaque nodes. Eagerly, the custom-op dispatcher costs
+several times a decode-sized kernel launch on the host, so eager calls skip it: an ``autograd.Function`` built
+from the same forward, context and backward functions when a gradient is needed, and a direct call otherwise
+(``generate()`` runs under ``no_grad``).
+
+The implementation follows the tensor's device: the Triton kernels on CUDA/ROCm, and on CPU the same kernels in
+Triton's interpreter when ``TRITON_INTERPRET=1`` (how the test suite exercises them) or else the PyTorch
+implementation in ``reference.py`` with identical semantics.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ def _fake_forward(x, residual, weight, bias, mode):
     return y, x.new_empty(x.shape, dtype=sum_dtype), rstd
 
 
-@torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
+def _rms_norm_impl(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
     y, _, rstd = _forward(x, None, weight, bias, eps, mode)
     return y, rstd
+
+
+_rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args=())(_rms_norm_impl)
 
 
 @_rms_norm_fwd.register_fake
@@ -51,11 +58,13 @@ def _(x, weight, bias, eps, mode):
     return y, rstd
 
 
-@torch.library.custom_op("hf_rmsnorm::add_rms_norm_fwd", mutates_args=())
-def _add_rms_norm_fwd(
+def _add_rms_norm_impl(
     x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _forward(x, residual, weight, bias, eps, mode)
+
+
+_add_rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::add_rms_norm_fwd", mutates_args=())(_add_rms_norm_impl)
 
 
 @_add_rms_norm_fwd.register_fake
@@ -150,6 +159,26 @@ torch.library.register_autograd(
 )
 
 
+class _RmsNormFunction(torch.autograd.Function):
+    """Eager autograd path of ``rms_norm_fwd``: the same functions without the custom-op dispatcher."""
+
+    forward = staticmethod(_rms_norm_impl)
+    setup_context = staticmethod(_rms_norm_setup)
+    backward = staticmethod(_rms_norm_backward)
+
+
+class _AddRmsNormFunction(torch.autograd.Function):
+    """Eager autograd path of ``add_rms_norm_fwd``."""
+
+    forward = staticmethod(_add_rms_norm_impl)
+    setup_context = staticmethod(_add_rms_norm_setup)
+    backward = staticmethod(_add_rms_norm_backward)
+
+
+def _needs_autograd(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _check_mode(mode: str) -> None:
     if mode not in reference.MODES:
         raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(reference.MODES)}")
@@ -172,7 +201,12 @@ def rms_norm(
         The normalised tensor, in the dtype the Hugging Face module would return.
     """
     _check_mode(mode)
-    return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, float(eps), mode)[0]
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, weight, bias):
+        return _RmsNormFunction.apply(x, weight, bias, eps, mode)[0]
+    return _forward(x, None, weight, bias, eps, mode)[0]
 
 
 def fused_add_rms_norm(
@@ -193,5 +227,11 @@ def fused_add_rms_norm(
         ``(y, new_residual)``.
     """
     _check_mode(mode)
-    y, new_residual, _ = torch.ops.hf_rmsnorm.add_rms_norm_fwd(x, residual, weight, bias, float(eps), mode)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        y, new_residual, _ = torch.ops.hf_rmsnorm.add_rms_norm_fwd(x, residual, weight, bias, eps, mode)
+    elif _needs_autograd(x, residual, weight, bias):
+        y, new_residual, _ = _AddRmsNormFunction.apply(x, residual, weight, bias, eps, mode)
+    else:
+        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode)
     return y, new_residual

@@ -1,0 +1,330 @@
+"""The Triton kernels (run in Triton's interpreter on CPU) against fp64 maths and Hugging Face's own modules."""
+
+import math
+
+import pytest
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+from hf_rmsnorm import fused_add_rms_norm, rms_norm
+from hf_rmsnorm.launch import INTERPRET
+
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="kernels need a GPU or TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+WIDTHS = [1, 7, 127, 896, 4097, 20000]
+EPS = 1e-6
+
+
+def _rows_for(n_cols: int) -> int:
+    # Enough rows for several programs and a ragged last row block, few enough for the interpreter.
+    return 2 if n_cols > 4096 else 13
+
+
+def _randn(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _fp64_reference(x, residual, weight, bias=None, mode="llama"):
+    """Exact maths in fp64, ignoring every intermediate rounding."""
+    s = x.double() if residual is None else residual.double() + x.double()
+    n = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + EPS)
+    w = weight.double() + (1.0 if mode == "gemma" else 0.0)
+    y = n * w
+    return y if bias is None else y + bias.double()
+
+
+def _hf_module(cls, weight):
+    module = cls(weight.shape[0], eps=EPS).to(device=DEVICE, dtype=weight.dtype)
+    module.weight.data.copy_(weight)
+    return module
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _grads(outputs, inputs, grad_outputs):
+    return torch.autograd.grad(outputs, inputs, grad_outputs)
+
+
+def _assert_no_less_accurate(ours, hf, exact):
+    """Each of our gradients is at least as close to the fp64 truth as Hugging Face's eager autograd, up to
+    one ulp of its dtype at the largest gradient."""
+    for g_ours, g_hf, g_exact in zip(ours, hf, exact):
+        assert g_ours.dtype == g_hf.dtype and g_ours.shape == g_hf.shape
+        scale = g_exact.abs().max().item()
+        err_ours, err_hf = _max_err(g_ours, g_exact), _max_err(g_hf, g_exact)
+        assert err_ours <= max(err_hf, torch.finfo(g_ours.dtype).eps * scale) * 1.01 + 1e-6 * scale, (
+            g_ours.shape, err_ours, err_hf)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", WIDTHS)
+def test_fused_add_forward_matches_hf_llama_bitwise(dtype, n_cols):
+    m = _rows_for(n_cols)
+    x, r = _randn(m, n_cols, dtype=dtype, seed=1), _randn(m, n_cols, dtype=dtype, scale=4, seed=2)
+    weight = _randn(n_cols, dtype=dtype, seed=3)
+    y, new_residual = fused_add_rms_norm(x, r, weight, EPS)
+
+    hf_sum = r + x
+    hf_y = _hf_module(LlamaRMSNorm, weight)(hf_sum)
+    assert new_residual.dtype == hf_sum.dtype and y.dtype == hf_y.dtype
+    assert torch.equal(new_residual, hf_sum)
+    if dtype == torch.float32:
+        # fp32: only the order of the mean's summation differs from torch's.
+        torch.testing.assert_close(y, hf_y, rtol=2e-6, atol=2e-6)
+    else:
+        assert torch.equal(y, hf_y)
+    assert _max_err(y, _fp64_reference(x, r, weight)) <= _max_err(hf_y, _fp64_reference(x, r, weight)) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", WIDTHS)
+def test_backward_is_no_less_accurate_than_hf(dtype, n_cols):
+    m = _rows_for(n_cols)
+    x = _randn(m, n_cols, dtype=dtype, seed=4).requires_grad_()
+    r = _randn(m, n_cols, dtype=dtype, scale=3, seed=5).requires_grad_()
+    weight = _randn(n_cols, dtype=dtype, seed=6).requires_grad_()
+    dy, dsum = _randn(m, n_cols, dtype=dtype, seed=7), _randn(m, n_cols, dtype=dtype, seed=8)
+    dy_before, dsum_before = dy.clone(), dsum.clone()
+
+    ours = _grads(fused_add_rms_norm(x, r, weight, EPS), (x, r, weight), (dy, dsum))
+    # The backward must never write into the incoming gradient buffers.
+    assert torch.equal(dy, dy_before) and torch.equal(dsum, dsum_before)
+
+    module = _hf_module(LlamaRMSNorm, weight.detach())
+    hf_sum = r + x
+    hf = _grads((module(hf_sum), hf_sum), (x, r, module.weight), (dy, dsum))
+
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, r, weight)]
+    s64 = inputs64[1] + inputs64[0]
+    exact = _grads((_fp64_reference(inputs64[0], inputs64[1], inputs64[2]), s64), inputs64, (dy.double(), dsum.double()))
+
+    _assert_no_less_accurate(ours, hf, exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_residual_matches_hf_llama(dtype):
+    x = _randn(3, 5, 96, dtype=dtype, seed=9)  # 3-D input
+    weight = _randn(96, dtype=dtype, seed=10)
+    y = rms_norm(x, weight, EPS)
+    hf_y = _hf_module(LlamaRMSNorm, weight)(x)
+    assert y.shape == x.shape and y.dtype == hf_y.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, hf_y, rtol=2e-6, atol=2e-6)
+    else:
+        assert torch.equal(y, hf_y)
+
+
+def test_qwen3_style_4d_head_norm():
+    """q_norm / k_norm run over head_dim on [batch, seq, heads, head_dim] views of a projection."""
+    proj = _randn(2, 5, 6 * 32, dtype=torch.bfloat16, seed=11).requires_grad_()
+    weight = _randn(32, dtype=torch.bfloat16, seed=12).requires_grad_()
+    q = proj.view(2, 5, 6, 32)
+    module = _hf_module(LlamaRMSNorm, weight.detach())
+    assert torch.equal(rms_norm(q, weight, EPS), module(q))
+    dy = _randn(2, 5, 6, 32, dtype=torch.bfloat16, seed=13)
+    (d_ours,) = _grads(rms_norm(q, weight, EPS), (proj,), (dy,))
+    (d_hf,) = _grads(module(q), (proj,), (dy,))
+    torch.testing.assert_close(d_ours, d_hf, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n_cols", [96, 20000])
+def test_strided_rows_and_non_collapsible_views(n_cols):
+    base = _randn(4, n_cols + 40, dtype=torch.bfloat16, seed=14)
+    x = base[:, 8:8 + n_cols]  # row stride != n_cols
+    r = _randn(4, n_cols, dtype=torch.bfloat16, seed=15).t().contiguous().t()  # column-major: copied
+    weight = _randn(n_cols, dtype=torch.bfloat16, seed=16)
+    y, s = fused_add_rms_norm(x, r, weight, EPS)
+    assert torch.equal(s, r + x)
+    assert torch.equal(y, _hf_module(LlamaRMSNorm, weight)(r + x))
+
+    x3 = _randn(5, 3, n_cols, dtype=torch.float16, seed=17).transpose(0, 1)  # [3, 5, n] not viewable as rows
+    w16 = weight.to(torch.float16)
+    assert torch.equal(rms_norm(x3, w16, EPS), _hf_module(LlamaRMSNorm, w16)(x3))
+
+
+@pytest.mark.parametrize(
+    "x_dtype,res_dtype,w_dtype",
+    [
+        (torch.bfloat16, torch.float32, torch.float32),  # DDP + autocast: fp32 residual stream
+        (torch.bfloat16, torch.bfloat16, torch.float32),  # norms kept in fp32 (PEFT k-bit training)
+        (torch.float16, torch.bfloat16, torch.bfloat16),  # promotes to fp32
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+    ],
+)
+def test_mixed_dtypes_follow_torch_promotion(x_dtype, res_dtype, w_dtype):
+    x = _randn(6, 200, dtype=x_dtype, seed=18).requires_grad_()
+    r = _randn(6, 200, dtype=res_dtype, seed=19).requires_grad_()
+    weight = _randn(200, dtype=w_dtype, seed=20).requires_grad_()
+    y, s = fused_add_rms_norm(x, r, weight, EPS)
+    hf_sum = r + x
+    hf_y = _hf_module(LlamaRMSNorm, weight.detach())(hf_sum)
+    assert s.dtype == hf_sum.dtype and y.dtype == hf_y.dtype
+    assert torch.equal(s, hf_sum)
+    torch.testing.assert_close(y, hf_y, rtol=2e-6, atol=2e-6)
+
+    dy = _randn(6, 200, dtype=y.dtype, seed=21)
+    ours = _grads(y, (x, r, weight), (dy,))
+    assert [g.dtype for g in ours] == [x_dtype, res_dtype, w_dtype]
+    module = _hf_module(LlamaRMSNorm, weight.detach())
+    hf = _grads(module(r + x), (x, r, module.weight), (dy,))
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, r, weight)]
+    exact = _grads(_fp64_reference(*inputs64), inputs64, (dy.double(),))
+    _assert_no_less_accurate(ours, hf, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode,hf_class", [("gemma", GemmaRMSNorm), ("fp32_affine", Olmo2RMSNorm)])
+def test_other_casting_orders_match_their_hf_modules(mode, hf_class, dtype):
+    x = _randn(7, 160, dtype=dtype, seed=22)
+    weight = _randn(160, dtype=dtype, scale=0.5, seed=23)
+    module = _hf_module(hf_class, weight)
+    y = rms_norm(x, weight, EPS, mode=mode)
+    hf_y = module(x)
+    assert y.dtype == hf_y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, hf_y, rtol=2e-6, atol=2e-6)
+    else:
+        assert torch.equal(y, hf_y)
+
+    x = x.detach().requires_grad_()
+    dy = _randn(7, 160, dtype=dtype, seed=24)
+    ours = _grads(rms_norm(x, module.weight, EPS, mode=mode), (x, module.weight), (dy,))
+    hf = _grads(module(x), (x, module.weight), (dy,))
+    for a, b in zip(ours, hf):
+        torch.testing.assert_close(a, b, rtol=3e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_cols", [64, 20000])
+def test_bias_on_a_zero_mean_stream_equals_layer_norm(n_cols):
+    """The fp32_affine mode with a bias is LayerNorm once the input has zero mean (the LayerNorm conversion)."""
+    h = _randn(5, n_cols, dtype=torch.float64, seed=25)
+    h = (h - h.mean(-1, keepdim=True)).float().requires_grad_()
+    weight = _randn(n_cols, seed=26).requires_grad_()
+    bias = _randn(n_cols, seed=27).requires_grad_()
+    y = rms_norm(h, weight, EPS, bias=bias, mode="fp32_affine")
+    ln = torch.nn.functional.layer_norm(h.double(), (n_cols,), weight.double(), bias.double(), EPS)
+    assert _max_err(y, ln) < 1e-5
+
+    dy = _randn(5, n_cols, seed=28)
+    ours = _grads(y, (h, weight, bias), (dy,))
+    inputs64 = [t.detach().double().requires_grad_() for t in (h, weight, bias)]
+    exact = _grads(_fp64_reference(inputs64[0], None, inputs64[1], inputs64[2], "fp32_affine"), inputs64, (dy.double(),))
+    for a, b in zip(ours, exact):
+        assert _max_err(a, b) <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+def test_llama_mode_with_bias_rounds_like_eager():
+    x = _randn(4, 48, dtype=torch.bfloat16, seed=29)
+    weight, bias = _randn(48, dtype=torch.bfloat16, seed=30), _randn(48, dtype=torch.bfloat16, seed=31)
+    expected = _hf_module(LlamaRMSNorm, weight)(x) + bias
+    assert torch.equal(rms_norm(x, weight, EPS, bias=bias), expected)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (3, 1)])
+def test_empty_and_degenerate_inputs(shape):
+    x = _randn(*shape, seed=32).requires_grad_()
+    r = _randn(*shape, seed=33).requires_grad_()
+    weight = _randn(shape[-1], seed=34).requires_grad_()
+    y, s = fused_add_rms_norm(x, r, weight, EPS)
+    assert y.shape == s.shape == x.shape
+    dx, dr, dw = _grads((y, s), (x, r, weight), (torch.ones_like(y), torch.ones_like(s)))
+    assert dx.shape == x.shape and dw.shape == weight.shape
+    if x.numel() == 0:
+        assert torch.equal(dw, torch.zeros_like(dw))
+    else:
+        exact = _fp64_reference(x, r, weight)
+        assert _max_err(y, exact) < 1e-6
+
+
+def test_every_output_is_written_and_idle_programs_write_their_partials(monkeypatch):
+    """Fill fresh allocations with NaN: any output element or weight-gradient partial a program forgot to
+    write would surface. With 7 rows of width 4100 (looped), the interpreter's 3 backward programs get
+    3, 3 and 1 rows; 4 row blocks of 4 narrow rows give the third program none."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    for n_rows, n_cols in ((7, 4100), (13, 1024)):
+        x = _randn(n_rows, n_cols, seed=35).requires_grad_()
+        r = _randn(n_rows, n_cols, seed=36).requires_grad_()
+        weight = _randn(n_cols, seed=37).requires_grad_()
+        bias = _randn(n_cols, seed=38).requires_grad_()
+        y, s = fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode="fp32_affine")
+        grads = _grads((y, s), (x, r, weight, bias), (torch.ones_like(y), torch.ones_like(s)))
+        for t in (y, s, *grads):
+            assert not t.isnan().any()
+        assert _max_err(grads[3], torch.full_like(bias, n_rows)) < 1e-5
+
+
+def test_weight_gradient_is_deterministic():
+    x = _randn(37, 300, dtype=torch.bfloat16, seed=39).requires_grad_()
+    weight = _randn(300, dtype=torch.bfloat16, seed=40).requires_grad_()
+    dy = _randn(37, 300, dtype=torch.bfloat16, seed=41)
+    first = _grads(rms_norm(x, weight, EPS), (weight,), (dy,))[0]
+    second = _grads(rms_norm(x, weight, EPS), (weight,), (dy,))[0]
+    assert torch.equal(first, second)
+
+
+def test_unknown_mode_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown mode 'olmo'"):
+        rms_norm(torch.ones(2, 4), torch.ones(4), mode="olmo")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_torch_compile_fullgraph_matches_eager(backend):
+    def block(x, residual, w1, w2):
+        h = rms_norm(x, w1, EPS)
+        y, new_residual = fused_add_rms_norm(h * 2, residual, w2, EPS)
+        return y.sum() + new_residual.float().square().sum()
+
+    x, r = _randn(4, 64, seed=42).requires_grad_(), _randn(4, 64, seed=43).requires_grad_()
+    w1, w2 = _randn(64, seed=44).requires_grad_(), _randn(64, seed=45).requires_grad_()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    eager_out = block(x, r, w1, w2)
+    compiled_out = compiled(x, r, w1, w2)
+    torch.testing.assert_close(compiled_out, eager_out)
+    for a, b in zip(_grads(compiled_out, (x, r, w1, w2), None), _grads(block(x, r, w1, w2), (x, r, w1, w2), None)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_64bit_row_offsets_on_gpu():
+    """Rows x stride past 2**31 elements: int32 offsets would wrap and corrupt the last rows."""
+    n_cols = 8192
+    n_rows = 2**31 // n_cols + 3
+    x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    weight = torch.randn(n_cols, device="cuda", dtype=torch.bfloat16)
+    y, s = fused_add_rms_norm(x, r, weight, EPS)
+    tail = slice(n_rows - 4, n_rows)
+    assert torch.equal(s[tail], r[tail] + x[tail])
+    assert torch.equal(y[tail], _hf_module(LlamaRMSNorm, weight)(r[tail] + x[tail]))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_custom_ops_pass_torch_library_opcheck(with_residual):
+    """Schema, fake (meta) implementations and autograd registration of the ops torch.compile sees."""
+    x = _randn(3, 40, dtype=torch.bfloat16, seed=46).requires_grad_()
+    weight = _randn(40, dtype=torch.float32, seed=47).requires_grad_()
+    if with_residual:
+        r = _randn(3, 40, dtype=torch.float32, seed=48).requires_grad_()
+        torch.library.opcheck(torch.ops.hf_rmsnorm.add_rms_norm_fwd, (x, r, weight, None, EPS, "llama"))
+    else:
+        torch.library.opcheck(torch.ops.hf_rmsnorm.rms_norm_fwd, (x, weight, None, EPS, "gemma"))
+    s = _randn(3, 40, dtype=torch.bfloat16, seed=49)
+    rstd = torch.rand(3, device=DEVICE) + 0.5
+    dy = _randn(3, 40, dtype=torch.float32, seed=50)
+    torch.library.opcheck(
+        torch.ops.hf_rmsnorm.rms_norm_bwd,
+        (dy, None, s, rstd, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32),
+    )
