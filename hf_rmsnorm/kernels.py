@@ -10,6 +10,10 @@ Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK
 blocks: a first pass computes the sum of squares (and writes the residual sum), a second pass re-reads the
 row, which the first pass has just brought into L2, and writes the output.
 
+``CENTER`` turns the kernels into LayerNorm (the row mean is subtracted before the RMS; the mean is stored
+next to ``rstd``): converted LayerNorm models train with it, where an RMSNorm would see the mean component of
+the writers' updates.
+
 All arithmetic is in fp32 after loading (which is also what Triton's CPU interpreter needs: it stores bf16 as
 raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` and ``WEIGHT_OFFSET``
 (see ``reference.py``). Row offsets are 64-bit, so a million tokens of width 8192 cannot overflow.
@@ -34,6 +38,16 @@ def _load_normed_input(
         tl.store(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], s, mask=mask)
         x = s.to(tl.float32)
     return x
+
+
+@triton.jit
+def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL: tl.constexpr):
+    """Re-reads a tile of the norm's input (the residual sum this program wrote, or ``x``) in fp32."""
+    if HAS_RESIDUAL:
+        s = tl.load(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], mask=mask, other=0.0)
+    else:
+        s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    return s.to(tl.float32)
 
 
 @triton.jit
@@ -67,10 +81,11 @@ def rms_norm_fwd_kernel(
     stride_x, stride_res, stride_y, stride_sum,
     eps,
     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
-    """One program normalises ``BLOCK_M`` rows. ``SUM_OUT`` is the residual sum (unused without residual)."""
+    """One program normalises ``BLOCK_M`` rows. ``SUM_OUT`` is the residual sum (unused without residual);
+    ``RSTD`` holds ``rstd`` for every row, followed by the row means when ``CENTER``."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -86,44 +101,76 @@ def rms_norm_fwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                HAS_RESIDUAL)
+        if CENTER:
+            # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
+            mean = tl.sum(s, axis=1) / n_cols
+            s = tl.where(mask, s - mean[:, None], 0.0)
+            correction = tl.sum(s, axis=1) / n_cols
+            mean += correction
+            s = tl.where(mask, s - correction[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
         _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
                          NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
     else:
-        sum_sq = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
+            mask = row_mask[:, None] & (cols < n_cols)[None, :]
             s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                    HAS_RESIDUAL)
-            sum_sq += s * s
-        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / n_cols + eps)
-        # The second pass reads back the sum other threads of this program wrote in the first.
+            if CENTER:
+                acc += s
+            else:
+                acc += s * s
+        # Later passes read back the sum other threads of this program wrote in the first.
         tl.debug_barrier()
+        if CENTER:
+            # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
+            # with the corrected two-pass algorithm's correction of the mean's rounding error.
+            mean = tl.sum(acc, axis=1) / n_cols
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols < n_cols)[None, :]
+                s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL)
+                s = tl.where(mask, s - mean[:, None], 0.0)
+                deviation += s
+                acc += s * s
+            correction = tl.sum(deviation, axis=1) / n_cols
+            mean += correction
+            variance = tl.sum(acc, axis=1) / n_cols - correction * correction
+        else:
+            variance = tl.sum(acc, axis=1) / n_cols
+        rstd = tl.math.rsqrt(variance + eps)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:
-                s = tl.load(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], mask=mask, other=0.0)
-            else:
-                s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-            _scale_and_store(s.to(tl.float32), rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
+            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL)
+            if CENTER:
+                s = s - mean[:, None]
+            _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y,
                              NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
     tl.store(RSTD + rows, rstd, mask=row_mask)
+    if CENTER:
+        tl.store(RSTD + n_rows + rows, mean, mask=row_mask)
 
 
 @triton.jit
 def _input_grad_tile(
-    DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy, stride_s,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    DY, S, W, rows, cols, col_mask, mask, rstd, mean, stride_dy, stride_s,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Loads one tile and returns ``(dy, n, g, n_weighted)``: the output gradient, the normalised row,
     ``g = dy * w`` (the gradient at the normalised row) and the row the weight was multiplied with."""
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
-    n = s.to(tl.float32) * rstd[:, None]
+    s = s.to(tl.float32)
+    if CENTER:
+        s = s - mean[:, None]
+    n = s * rstd[:, None]
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if WEIGHT_OFFSET != 0.0:
         w = w + WEIGHT_OFFSET
@@ -155,7 +202,7 @@ def rms_norm_bwd_kernel(
     n_rows, n_cols, n_row_blocks, row_blocks_per_program,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
     """Program ``p`` handles a contiguous range of row blocks and writes its own fp32 partial sums of the
@@ -175,10 +222,16 @@ def rms_norm_bwd_kernel(
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
-                                                    stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
-            c = tl.sum(g * n, axis=1) / n_cols
-            dx = (g - n * c[:, None]) * rstd[:, None]
+            if CENTER:
+                mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+            else:
+                mean = rstd  # not read without CENTER
+            dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
+                                                    stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, CENTER)
+            dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
+            if CENTER:
+                dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
+            dx = dx * rstd[:, None]
             _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                               HAS_DSUM, HAS_DRES)
             dw_acc += dy * n_weighted
@@ -203,22 +256,35 @@ def rms_norm_bwd_kernel(
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            if CENTER:
+                mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+            else:
+                mean = rstd  # not read without CENTER
             dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            g_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
-                                                        stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
+                                                        stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                                                        CENTER)
                 dot += g * n
+                if CENTER:
+                    g_sum += g
             c = tl.sum(dot, axis=1) / n_cols
+            g_mean = tl.sum(g_sum, axis=1) / n_cols
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, stride_dy,
-                                                        stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
-                dx = (g - n * c[:, None]) * rstd[:, None]
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
+                                                        stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                                                        CENTER)
+                dx = g - n * c[:, None]
+                if CENTER:
+                    dx -= g_mean[:, None]
+                dx = dx * rstd[:, None]
                 _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                                   HAS_DSUM, HAS_DRES)
                 dw = tl.load(DW_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)

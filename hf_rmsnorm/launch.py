@@ -84,17 +84,18 @@ def norm_forward(
     eps: float,
     mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Runs the forward kernel. Returns ``(y, residual + x or None, rstd)`` with ``rstd`` of shape
-    ``x.shape[:-1]`` in fp32."""
+    """Runs the forward kernel. Returns ``(y, residual + x or None, stats)``: fp32 ``rstd`` of shape
+    ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode."""
     shape = x.shape
     n_cols = shape[-1]
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty(shape, dtype=output_dtype(sum_dtype, weight, bias, mode), device=x.device)
     new_residual = None if residual is None else torch.empty(shape, dtype=sum_dtype, device=x.device)
-    rstd = torch.empty(shape[:-1], dtype=torch.float32, device=x.device)
-    n_rows = rstd.numel()
-    if n_rows == 0 or n_cols == 0:
-        return y, new_residual, rstd
+    center = mode == "layernorm"
+    stats = torch.empty((2, *shape[:-1]) if center else shape[:-1], dtype=torch.float32, device=x.device)
+    n_rows = y.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
+        return y, new_residual, stats
 
     x2 = _as_rows(x)
     r2 = x2 if residual is None else _as_rows(residual)
@@ -103,23 +104,23 @@ def norm_forward(
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     with _on_device(x):
         rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-            x2, r2, weight, bias, y2, s2, rstd,
+            x2, r2, weight, bias, y2, s2, stats,
             n_rows, n_cols,
             x2.stride(0), r2.stride(0), y2.stride(0), s2.stride(0),
             eps,
             HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode),
+            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=center,
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
             num_warps=num_warps,
         )
-    return y, new_residual, rstd
+    return y, new_residual, stats
 
 
 def norm_backward(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,
     normed_input: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     weight: torch.Tensor,
     bias_dtype: torch.dtype | None,
     mode: str,
@@ -133,7 +134,7 @@ def norm_backward(
     device = normed_input.device
     dx = torch.empty(shape, dtype=dx_dtype, device=device)
     dres = None if dres_dtype is None else torch.empty(shape, dtype=dres_dtype, device=device)
-    n_rows = rstd.numel()
+    n_rows = normed_input.numel() // n_cols if n_cols else 0
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
     n_row_blocks = triton.cdiv(n_rows, block_m)
     if n_row_blocks == 0 or n_cols == 0:
@@ -156,11 +157,11 @@ def norm_backward(
     dres2 = dx2 if dres is None else dres.view(-1, n_cols)
     with _on_device(dy):
         rms_norm_bwd_kernel[(n_programs,)](
-            dy2, dsum2, s2, rstd, weight, dx2, dres2, dw_partial, db_partial,
+            dy2, dsum2, s2, stats, weight, dx2, dres2, dw_partial, db_partial,
             n_rows, n_cols, n_row_blocks, row_blocks_per_program,
             dy2.stride(0), dsum2.stride(0), s2.stride(0), dx2.stride(0), dres2.stride(0),
             HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
-            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode),
+            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=mode == "layernorm",
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
             num_warps=num_warps,
         )

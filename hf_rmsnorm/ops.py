@@ -33,20 +33,21 @@ def _use_kernels(*tensors: Tensor | None) -> bool:
 def _forward(x, residual, weight, bias, eps, mode):
     if _use_kernels(x, residual, weight, bias):
         return norm_forward(x, residual, weight, bias, eps, mode)
-    y, normed_input, rstd = reference.forward_reference(x, residual, weight, bias, eps, mode)
-    return y, (None if residual is None else normed_input), rstd
+    y, normed_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
+    return y, (None if residual is None else normed_input), stats
 
 
 def _fake_forward(x, residual, weight, bias, mode):
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty(x.shape, dtype=reference.output_dtype(sum_dtype, weight, bias, mode))
-    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return y, x.new_empty(x.shape, dtype=sum_dtype), rstd
+    stats_shape = (2, *x.shape[:-1]) if mode == "layernorm" else x.shape[:-1]
+    stats = x.new_empty(stats_shape, dtype=torch.float32)
+    return y, x.new_empty(x.shape, dtype=sum_dtype), stats
 
 
 def _rms_norm_impl(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
-    y, _, rstd = _forward(x, None, weight, bias, eps, mode)
-    return y, rstd
+    y, _, stats = _forward(x, None, weight, bias, eps, mode)
+    return y, stats
 
 
 _rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args=())(_rms_norm_impl)
@@ -54,8 +55,8 @@ _rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args
 
 @_rms_norm_fwd.register_fake
 def _(x, weight, bias, eps, mode):
-    y, _, rstd = _fake_forward(x, None, weight, bias, mode)
-    return y, rstd
+    y, _, stats = _fake_forward(x, None, weight, bias, mode)
+    return y, stats
 
 
 def _add_rms_norm_impl(
@@ -77,7 +78,7 @@ def _rms_norm_bwd(
     dy: Tensor,
     dsum: Tensor | None,
     normed_input: Tensor,
-    rstd: Tensor,
+    stats: Tensor,
     weight: Tensor,
     bias_dtype: torch.dtype | None,
     mode: str,
@@ -88,11 +89,11 @@ def _rms_norm_bwd(
     ops cannot return None, nor one tensor twice)."""
     if _use_kernels(dy, dsum, normed_input, weight):
         dx, dres, dweight, dbias = norm_backward(
-            dy, dsum, normed_input, rstd, weight, bias_dtype, mode, dx_dtype, dres_dtype
+            dy, dsum, normed_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
         )
     else:
         grad, dweight, dbias = reference.backward_reference(
-            dy, dsum, normed_input, rstd, weight, bias_dtype is not None, mode
+            dy, dsum, normed_input, stats, weight, bias_dtype is not None, mode
         )
         dx = grad.to(dx_dtype)
         dres = None if dres_dtype is None else grad.to(dres_dtype)
@@ -102,28 +103,28 @@ def _rms_norm_bwd(
 
 
 @_rms_norm_bwd.register_fake
-def _(dy, dsum, normed_input, rstd, weight, bias_dtype, mode, dx_dtype, dres_dtype):
+def _(dy, dsum, normed_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
     dx = normed_input.new_empty(normed_input.shape, dtype=dx_dtype)
     dres = dx.new_empty(normed_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
     dbias = dx.new_empty((normed_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
     return dx, dres, torch.empty_like(weight), dbias
 
 
-def _save_common(ctx, normed_input: Tensor, rstd: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
-    ctx.save_for_backward(normed_input, rstd, weight)
+def _save_common(ctx, normed_input: Tensor, stats: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
+    ctx.save_for_backward(normed_input, stats, weight)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mode = mode
-    # Unused outputs (rstd, often the residual sum) then arrive as None instead of materialised zeros.
+    # Unused outputs (the statistics, often the residual sum) then arrive as None instead of materialised zeros.
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
-    normed_input, rstd, weight = ctx.saved_tensors
+    normed_input, stats, weight = ctx.saved_tensors
     if dy is None:
         dy = normed_input.new_zeros(normed_input.shape, dtype=reference.output_dtype(
             normed_input.dtype, weight, None, ctx.mode))
     dx, dres, dweight, dbias = torch.ops.hf_rmsnorm.rms_norm_bwd(
-        dy, dsum, normed_input, rstd, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
+        dy, dsum, normed_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
     )
     return dx, dres, dweight, (dbias if ctx.bias_dtype is not None else None)
 
@@ -195,7 +196,8 @@ def rms_norm(
         eps: added to the mean square, in fp32.
         bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
         mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32) or ``"fp32_affine"``
-            (weight and bias applied in fp32, as OLMo2 and LayerNorm do); see ``hf_rmsnorm.reference``.
+            (weight and bias applied in fp32, as OLMo2 and LayerNorm do); ``"layernorm"`` also subtracts the
+            row mean (an exact ``nn.LayerNorm``). See ``hf_rmsnorm.reference``.
 
     Returns:
         The normalised tensor, in the dtype the Hugging Face module would return.

@@ -11,13 +11,17 @@ Casting modes (see REFERENCE.md section 1):
 * ``"gemma"``: ``n * (1 + w.float())`` in fp32, then cast to the input dtype.
 * ``"fp32_affine"`` (OLMo2, LayerNorm converted to RMSNorm): ``n * w.float() (+ b.float())`` in fp32, then cast
   to the input dtype.
+* ``"layernorm"``: ``fp32_affine`` after subtracting the row mean, i.e. ``nn.LayerNorm``.
+
+The forward also returns per-row statistics for the backward: ``rstd`` (fp32, shape ``x.shape[:-1]``), and in
+``"layernorm"`` mode ``stack([rstd, mean])``.
 """
 
 from __future__ import annotations
 
 import torch
 
-MODES = ("llama", "gemma", "fp32_affine")
+MODES = ("llama", "gemma", "fp32_affine", "layernorm")
 
 
 def weight_offset(mode: str) -> float:
@@ -43,9 +47,12 @@ def forward_reference(
     eps: float,
     mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(y, normed_input, rstd)``; ``normed_input`` is ``residual + x`` rounded as torch rounds it."""
+    """Returns ``(y, normed_input, stats)``; ``normed_input`` is ``residual + x`` rounded as torch rounds it."""
     normed_input = x if residual is None else residual + x
     s = normed_input.float()
+    if mode == "layernorm":
+        mean = s.mean(-1, keepdim=True)
+        s = s - mean
     rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
     n = s * rstd
     if mode == "llama":
@@ -57,14 +64,17 @@ def forward_reference(
         if bias is not None:
             y = y + bias.float()
         y = y.to(normed_input.dtype)
-    return y, normed_input, rstd.squeeze(-1)
+    stats = rstd.squeeze(-1)
+    if mode == "layernorm":
+        stats = torch.stack([stats, mean.squeeze(-1)])
+    return y, normed_input, stats
 
 
 def backward_reference(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,
     normed_input: torch.Tensor,
-    rstd: torch.Tensor,
+    stats: torch.Tensor,
     weight: torch.Tensor,
     has_bias: bool,
     mode: str,
@@ -77,10 +87,18 @@ def backward_reference(
     """
     n_cols = normed_input.shape[-1]
     s = normed_input.float()
+    if mode == "layernorm":
+        rstd, mean = stats
+        s = s - mean.unsqueeze(-1)
+    else:
+        rstd = stats
     r = rstd.unsqueeze(-1)
     n = s * r
     g = dy.float() * (weight.float() + weight_offset(mode))
-    dx = r * (g - n * (g * n).mean(-1, keepdim=True))
+    dx = g - n * (g * n).mean(-1, keepdim=True)
+    if mode == "layernorm":
+        dx = dx - g.mean(-1, keepdim=True)
+    dx = r * dx
     if dsum is not None:
         dx = dx + dsum.float()
     n_weighted = n.to(normed_input.dtype).float() if mode == "llama" else n

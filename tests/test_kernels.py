@@ -328,3 +328,32 @@ def test_custom_ops_pass_torch_library_opcheck(with_residual):
         torch.ops.hf_rmsnorm.rms_norm_bwd,
         (dy, None, s, rstd, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_cols", [7, 896, 4100])
+def test_layernorm_mode_matches_nn_layer_norm(dtype, n_cols):
+    """Mode "layernorm" is nn.LayerNorm (mean subtracted), with the residual add fused, forward and backward,
+    also for rows with a large mean (where E[x^2] - mean^2 would cancel)."""
+    x = (_randn(5, n_cols, seed=51) + 30).to(dtype).requires_grad_()
+    r = _randn(5, n_cols, dtype=dtype, seed=52).requires_grad_()
+    ln = torch.nn.LayerNorm(n_cols, eps=1e-5).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        ln.weight.copy_(_randn(n_cols, seed=53))
+        ln.bias.copy_(_randn(n_cols, seed=54))
+    y, s = fused_add_rms_norm(x, r, ln.weight, 1e-5, bias=ln.bias, mode="layernorm")
+    hf_sum = r + x
+    hf_y = ln(hf_sum)
+    assert y.dtype == hf_y.dtype and torch.equal(s, hf_sum)
+
+    dy, dsum = _randn(5, n_cols, dtype=dtype, seed=55), _randn(5, n_cols, dtype=dtype, seed=56)
+    params = (x, r, ln.weight, ln.bias)
+    ours = _grads((y, s), params, (dy, dsum))
+    hf = _grads((hf_y, hf_sum), params, (dy, dsum))
+    inputs64 = [t.detach().double().requires_grad_() for t in params]
+    s64 = inputs64[1] + inputs64[0]
+    y64 = torch.nn.functional.layer_norm(s64, (n_cols,), inputs64[2], inputs64[3], 1e-5)
+    exact = _grads((y64, s64), inputs64, (dy.double(), dsum.double()))
+    # Both round the same fp32/bf16 sum; allow two ulps at the largest output for the order of reductions.
+    assert _max_err(y, y64) <= _max_err(hf_y, y64) + 2 * torch.finfo(dtype).eps * y64.abs().max().item()
+    _assert_no_less_accurate(ours, hf, exact)
