@@ -132,11 +132,12 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, bias, _eps, mode = inputs
     _save_common(ctx, x, output[1], weight, bias, mode)
+    # Kept apart from the saved tensors: non-reentrant checkpointing lets the backward unpack those once.
+    ctx.x_dtype = x.dtype
 
 
 def _rms_norm_backward(ctx, dy, _drstd):
-    normed_input = ctx.saved_tensors[0]
-    dx, _, dweight, dbias = _backward(ctx, dy, None, normed_input.dtype, None)
+    dx, _, dweight, dbias = _backward(ctx, dy, None, ctx.x_dtype, None)
     return dx, dweight, dbias, None, None
 
 

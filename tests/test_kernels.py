@@ -357,3 +357,22 @@ def test_layernorm_mode_matches_nn_layer_norm(dtype, n_cols):
     # Both round the same fp32/bf16 sum; allow two ulps at the largest output for the order of reductions.
     assert _max_err(y, y64) <= _max_err(hf_y, y64) + 2 * torch.finfo(dtype).eps * y64.abs().max().item()
     _assert_no_less_accurate(ours, hf, exact)
+
+
+def test_non_reentrant_checkpointing_recomputes_both_ops():
+    """Gradient checkpointing (HF's default is non-reentrant) lets a backward unpack saved tensors once."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = _randn(4, 32, seed=57).requires_grad_()
+    r = _randn(4, 32, seed=58).requires_grad_()
+    w1, w2 = _randn(32, seed=59).requires_grad_(), _randn(32, seed=60).requires_grad_()
+
+    def block(x, r, w1, w2):
+        y, s = fused_add_rms_norm(rms_norm(x, w1, EPS), r, w2, EPS)
+        return y * s
+
+    params = (x, r, w1, w2)
+    plain = _grads(block(*params).sum(), params, None)
+    checkpointed = _grads(checkpoint(block, *params, use_reentrant=False).sum(), params, None)
+    for a, b in zip(checkpointed, plain):
+        assert torch.equal(a, b)
