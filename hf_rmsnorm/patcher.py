@@ -1,0 +1,357 @@
+"""``patch_model`` / ``unpatch_model``: give a loaded model's norms and decoder layers the fused kernels.
+
+The walker plans everything first (which modules match a family of ``families.py`` exactly and why the others
+are left alone), then applies the plan as class swaps plus a few instance attributes, restoring everything if
+any step fails. Parameters, buffers, hooks and attribute paths are never touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from . import modules
+from .families import LayerKind, NormKind, StackKind, family_names, registry
+
+_STATE_ATTR = "_hf_rmsnorm_patch"
+_HANDOFF_ATTR = "_hf_rmsnorm_handoff"
+_NEXT_ATTR = "_hf_rmsnorm_next"
+
+
+class UnsupportedModelError(ValueError):
+    """``patch_model`` found nothing it can patch exactly; the model was left untouched."""
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` changed.
+
+    Attributes:
+        norms: qualified names of the norm modules now running the kernels.
+        fused_adds: the residual adds now computed inside a norm kernel, one line per add.
+        skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
+            whose residual adds stay unfused.
+        families: the model families whose norms were patched.
+    """
+
+    norms: list[str] = field(default_factory=list)
+    fused_adds: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    families: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        families = f" ({', '.join(self.families)})" if self.families else ""
+        lines = [
+            f"hf_rmsnorm: {len(self.norms)} norms patched{families}, {len(self.fused_adds)} residual adds fused, "
+            f"{len(self.skipped)} skipped"
+        ]
+        for title, items in (
+            ("norms", self.norms),
+            ("fused residual adds", self.fused_adds),
+            ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
+        ):
+            if items:
+                lines.append(f"  {title}:")
+                lines.extend(f"    {item}" for item in items)
+        return "\n".join(lines)
+
+
+@dataclass
+class _PatchState:
+    """Kept on the patched model, so ``unpatch_model`` knows what to undo (and copies of the model too)."""
+
+    report: PatchReport
+    swapped: list[tuple[nn.Module, type]] = field(default_factory=list)
+    added: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    report: PatchReport
+    swaps: list[tuple[nn.Module, NormKind | LayerKind]] = field(default_factory=list)
+    attrs: list[tuple[nn.Module, str, object]] = field(default_factory=list)
+    already_patched: int = 0
+
+
+def patch_model(model: nn.Module) -> PatchReport:
+    """Replace the norms of every supported family in ``model`` by the fused kernels, in place.
+
+    Norms become modules whose ``forward`` calls ``rms_norm`` (and accepts ``residual=`` for a fused add);
+    decoder layers of a known pre-norm structure fuse their attention residual add into
+    ``post_attention_layernorm`` and, in inference, their MLP residual add into the next layer's input norm
+    (the last layer's into the final norm). Outputs, hidden states, hooks, parameters and state dicts stay
+    what they were. Patching a patched model does nothing and returns the first report.
+
+    Args:
+        model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
+
+    Returns:
+        A ``PatchReport`` of what was patched, fused and skipped.
+
+    Raises:
+        UnsupportedModelError: ``model`` is not a module or has no norm of a supported family. Nothing changed.
+    """
+    root = _unwrap(model)
+    state = root.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        return state.report
+    plan = _plan(root)
+    if not plan.swaps and not plan.already_patched:
+        found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no norm of a supported family (norm-like classes found: "
+            f"{', '.join(found) or 'none'}); patch_model supports {family_names()}"
+        )
+    state = _PatchState(plan.report)
+    try:
+        for module, kind in plan.swaps:
+            state.swapped.append((module, type(module)))
+            _swap_class(module, modules.fused_class(type(module), kind))
+        for module, name, value in plan.attrs + [(root, _STATE_ATTR, state)]:
+            state.added.append((module, name))
+            _set_attr(module, name, value)
+    except BaseException:
+        _restore(state)
+        raise
+    return state.report
+
+
+def unpatch_model(model: nn.Module) -> None:
+    """Undo ``patch_model``: original classes and forwards, no attribute left behind.
+
+    Raises:
+        ValueError: ``model`` was not patched, or a patched module's class was changed since (for example by
+            an FSDP wrapper); nothing is changed then.
+    """
+    root = _unwrap(model)
+    state = root.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise ValueError(
+            f"{type(model).__name__} is not patched: call unpatch_model on the object patch_model was given"
+        )
+    for module, original in state.swapped:
+        if modules.original_class(module) is not original:
+            raise ValueError(
+                f"cannot unpatch: the class of a patched {original.__name__} was changed to "
+                f"{type(module).__module__}.{type(module).__qualname__} after patching; undo that wrapping first"
+            )
+    _restore(state)
+
+
+def _restore(state: _PatchState) -> None:
+    """Removes the added attributes and gives every swapped module its original class back."""
+    for module, name in reversed(state.added):
+        module.__dict__.pop(name, None)
+    for module, original in reversed(state.swapped):
+        if type(module) is not original:
+            _swap_class(module, original)
+
+
+def _unwrap(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModelError(
+            f"patch_model expects a torch.nn.Module (a transformers model or a PEFT PeftModel), got "
+            f"{type(model).__module__}.{type(model).__qualname__}; supported families: {family_names()}"
+        )
+    # PEFT's PeftModel: the transformers model is its base model (adapters wrap linears, never the norms).
+    get_base_model = getattr(type(model), "get_base_model", None)
+    if callable(get_base_model):
+        base = model.get_base_model()
+        if isinstance(base, nn.Module):
+            return base
+    return model
+
+
+def _swap_class(module: nn.Module, new_cls: type) -> None:
+    """Sets ``module``'s class, and re-points the bound forwards that accelerate keeps on the instance
+    (``_old_forward`` under a hook, ``forward`` after ``remove_hook_from_module``) at the new class's forward;
+    otherwise they would keep calling the old one."""
+    old_forward = type(module).forward
+    module.__class__ = new_cls
+    for attr in ("forward", "_old_forward"):
+        if _is_bound(module.__dict__.get(attr), module, old_forward):
+            _set_attr(module, attr, types.MethodType(new_cls.forward, module))
+
+
+def _set_attr(module: nn.Module, name: str, value: object) -> None:
+    # Bypasses nn.Module.__setattr__, which would register a module-valued attribute as a child module.
+    object.__setattr__(module, name, value)
+
+
+def _is_bound(method: object, module: nn.Module, function: object) -> bool:
+    return isinstance(method, types.MethodType) and method.__self__ is module and method.__func__ is function
+
+
+def _is_norm_like(module: nn.Module) -> bool:
+    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plan(root: nn.Module) -> _Plan:
+    """Decides every change before any is made: which norms and layers to swap, and which layers hand their
+    MLP residual sum to which norm."""
+    plan = _Plan(PatchReport())
+    norms, layer_candidates, stacks = _plan_norms(root, plan)
+    layers = _plan_layers(layer_candidates, norms, plan)
+    _plan_handoffs(stacks, layers, norms, plan)
+    return plan
+
+
+def _plan_norms(root: nn.Module, plan: _Plan):
+    """Walks ``root`` once: plans the norm swaps, reports every norm-like module left alone, and returns the
+    patched norms (module -> name), the decoder layers and the layer stacks of known classes."""
+    reg = registry()
+    norms: dict[nn.Module, str] = {}
+    layer_candidates: list[tuple[str, nn.Module, LayerKind]] = []
+    stacks: list[tuple[nn.Module, StackKind]] = []
+    for name, module in root.named_modules():
+        cls = type(module)
+        if modules.original_class(module) is not None:
+            plan.already_patched += 1
+            plan.report.skipped.append((name, "already patched by an earlier patch_model call on a submodule"))
+        elif cls in reg.norms:
+            family, kind = reg.norms[cls]
+            problem = _class_problem(cls) or _norm_problem(module, kind) or _instance_problem(module)
+            if problem:
+                plan.report.skipped.append((name, problem))
+                continue
+            norms[module] = name
+            plan.swaps.append((module, kind))
+            plan.report.norms.append(name)
+            if family not in plan.report.families:
+                plan.report.families.append(family)
+        elif _is_norm_like(module):
+            plan.report.skipped.append((name, f"{_class_path(cls)} is not a norm of a supported family"))
+        elif cls in reg.layers:
+            layer_candidates.append((name, module, reg.layers[cls][1]))
+        elif cls in reg.stacks:
+            stacks.append((module, reg.stacks[cls][1]))
+    return norms, layer_candidates, stacks
+
+
+def _plan_layers(
+    candidates: list[tuple[str, nn.Module, LayerKind]], norms: dict[nn.Module, str], plan: _Plan
+) -> dict[nn.Module, tuple[str, LayerKind]]:
+    """Plans the swaps of the decoder layers whose structure matches their kind; returns them."""
+    layers: dict[nn.Module, tuple[str, LayerKind]] = {}
+    for name, layer, kind in candidates:
+        problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or _instance_problem(layer)
+        if problem:
+            plan.report.skipped.append((name, f"residual adds not fused: {problem}"))
+            continue
+        layers[layer] = (name, kind)
+        plan.swaps.append((layer, kind))
+        plan.report.fused_adds.append(
+            f"{name}: attention residual -> {norms[getattr(layer, kind.post_attention_norm)]}"
+            + _while_inactive(kind.attention_dropout)
+        )
+    return layers
+
+
+def _plan_handoffs(
+    stacks: list[tuple[nn.Module, StackKind]],
+    layers: dict[nn.Module, tuple[str, LayerKind]],
+    norms: dict[nn.Module, str],
+    plan: _Plan,
+) -> None:
+    """Plans the attributes that let each layer fuse its MLP residual add into the next norm (inference)."""
+    handoff_norms: dict[nn.Module, None] = {}
+    for stack, kind in stacks:
+        for layer, target in _stack_links(stack, kind, layers, norms):
+            name, layer_kind = layers[layer]
+            plan.attrs.append((layer, _NEXT_ATTR, target))
+            handoff_norms.setdefault(target.norm)
+            plan.report.fused_adds.append(
+                f"{name}: mlp residual -> {norms[target.norm]} (inference)" + _while_inactive(layer_kind.mlp_dropout)
+            )
+    plan.attrs.extend((norm, _HANDOFF_ATTR, modules.Handoff()) for norm in handoff_norms)
+
+
+def _stack_links(
+    stack: nn.Module, kind: StackKind, layers: dict[nn.Module, tuple[str, LayerKind]], norms: dict[nn.Module, str]
+) -> list[tuple[nn.Module, modules.NextNorm]]:
+    """(layer, where its MLP residual sum goes) for each patched layer of ``stack`` followed by a patched layer
+    or, for the last one, by a patched final norm."""
+    layer_list = getattr(stack, kind.layers, None)
+    final_norm = getattr(stack, kind.final_norm, None)
+    if not isinstance(layer_list, nn.ModuleList):
+        return []
+    links = []
+    for i, layer in enumerate(layer_list):
+        if layer not in layers:
+            continue
+        if i + 1 < len(layer_list):
+            consumer = layer_list[i + 1]
+            if consumer not in layers:
+                continue
+            norm = getattr(consumer, layers[consumer][1].input_norm)
+        elif final_norm in norms:
+            consumer = norm = final_norm
+        else:
+            continue
+        links.append((layer, modules.NextNorm(consumer, norm)))
+    return links
+
+
+def _while_inactive(dropout: str | None) -> str:
+    return "" if dropout is None else f" (while {dropout} is inactive)"
+
+
+def _class_problem(cls: type) -> str | None:
+    """A known class whose forward another library replaced is no longer the class the family describes."""
+    forward = inspect.unwrap(cls.forward)
+    if forward.__module__ != cls.__module__ or forward.__qualname__ != f"{cls.__qualname__}.forward":
+        return (
+            f"{cls.__name__}.forward was replaced by {forward.__module__}.{forward.__qualname__}; "
+            "patch_model only patches the forward transformers defines"
+        )
+    return None
+
+
+def _norm_problem(norm: nn.Module, kind: NormKind) -> str | None:
+    if not isinstance(getattr(norm, "weight", None), Tensor):
+        return f"{type(norm).__name__} has no weight tensor"
+    if not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
+        return f"{type(norm).__name__} has no numeric {kind.eps_attr}"
+    if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, None), Tensor):
+        return f"{type(norm).__name__} has no {kind.bias_attr} tensor"
+    return None
+
+
+def _instance_problem(module: nn.Module) -> str | None:
+    """An instance whose forward was replaced (other than by accelerate, whose hook calls ``_old_forward``)."""
+    class_forward = type(module).forward
+    forward = module.__dict__.get("forward")
+    if forward is None or _is_bound(forward, module, class_forward):
+        return None
+    if "_hf_hook" in module.__dict__ and _is_bound(module.__dict__.get("_old_forward"), module, class_forward):
+        return None
+    return "its forward was replaced on the instance; call patch_model before wrapping it"
+
+
+def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str]) -> str | None:
+    """Why ``layer`` does not have the structure ``kind`` describes, if it does not."""
+    params = list(inspect.signature(type(layer).forward).parameters.values())[1:]
+    names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if names != kind.forward_params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD or len(params) != len(
+        names
+    ) + 1:
+        return f"forward({', '.join(str(p) for p in params)}) is not the signature this transformers family had"
+    for attr in (kind.input_norm, kind.post_attention_norm):
+        if getattr(layer, attr, None) not in norms:
+            return f"{attr} is a {type(getattr(layer, attr, None)).__name__}, not a patched norm"
+    for attr in (kind.attention, kind.mlp):
+        if not isinstance(getattr(layer, attr, None), nn.Module):
+            return f"it has no {attr} module"
+    for attr in (kind.attention_dropout, kind.mlp_dropout):
+        if attr is not None and not isinstance(getattr(layer, attr, None), nn.Dropout):
+            return f"{attr} is not an nn.Dropout"
+    if kind.residual_scale is not None and not isinstance(getattr(layer, kind.residual_scale, None), (int, float)):
+        return f"{kind.residual_scale} is not a number"
+    return None

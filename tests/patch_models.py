@@ -1,0 +1,89 @@
+"""Tiny models of the real transformers classes for the patcher tests, and a counter of the ops they run.
+
+Shapes are kept tiny (hidden 64, 2 layers, vocab 128) so the kernels stay fast in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from hf_rmsnorm import modules
+
+# The four families of the issue, tested in every dtype.
+MAIN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+# The other families of the table, in bf16 only (same code paths, other classes); Phi3 has its own tests.
+OTHER_FAMILIES = ["phi3", "ministral", "smollm3", "qwen2_moe", "qwen3_moe", "granite"]
+OVERRIDES = {
+    "qwen2_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "granite": dict(residual_multiplier=0.5),
+}
+VOCAB = 128
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float32, *, layers: int = 2, seed: int = 0, **overrides):
+    """A randomly initialised model of ``family`` (a transformers model type) in eval mode. Norm weights are
+    drawn around 1 (not left at ones) so a kernel that ignored or misapplied them would show."""
+    fields = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, **OVERRIDES.get(family, {}),
+    )
+    fields.update(overrides)
+    torch.manual_seed(seed)
+    # Eager experts: the grouped-GEMM ones of the MoE families have no fp64 kernel for the fp64 reference.
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields), experts_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    return model.to(dtype).eval()
+
+
+def input_ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops of a forward, plus one ``hf_rmsnorm.kernel`` per call of the norm kernels (whose
+    own internals, in the interpreter, are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+    def count_kernels(self, function):
+        @functools.wraps(function)
+        def counted(*args, **kwargs):
+            self.counts["hf_rmsnorm.kernel"] += 1
+            with _disable_current_modes():
+                return function(*args, **kwargs)
+
+        return counted
+
+
+def count_ops(model, ids, monkeypatch, *, grad: bool = False) -> collections.Counter[str]:
+    """The ops of one forward of ``model`` (under ``no_grad`` unless ``grad``)."""
+    counter = OpCounter()
+    with monkeypatch.context() as patch, torch.set_grad_enabled(grad):
+        for name in ("rms_norm", "fused_add_rms_norm"):
+            patch.setattr(modules, name, counter.count_kernels(getattr(modules, name)))
+        with counter:
+            model(ids)
+    return counter.counts

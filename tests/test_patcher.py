@@ -1,0 +1,353 @@
+"""patch_model on tiny models of the real transformers classes: outputs, gradients, generation, op counts.
+
+The kernels run in Triton's interpreter. Logits are compared with the eager model up to a couple of ulps: the
+kernel's fp32 mean and rsqrt can differ from torch's by an ulp, which flips a bf16/fp16 rounding tie now and
+then. The fused residual adds themselves are checked bitwise against the same kernels with the adds left
+unfused, and accuracy against an fp64 copy of the model.
+"""
+
+import pytest
+import torch
+from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model
+
+from hf_rmsnorm import UnsupportedModelError, patch_model, patcher, unpatch_model
+from hf_rmsnorm.families import Registry, registry
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Largest difference from the eager model, relative to the largest |value|: two ulps of the dtype, a bit more
+# for fp32 where the differing reduction order is the only source.
+LOGIT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _assert_close_rel(actual, expected, tol):
+    scale = expected.double().abs().max().item()
+    assert _max_err(actual, expected) <= tol * scale, (_max_err(actual, expected), scale)
+
+
+@pytest.fixture
+def norms_only(monkeypatch):
+    """Makes patch_model swap the norms only (no layer fusion): the unfused baseline of the same kernels."""
+    monkeypatch.setattr(patcher, "registry", lambda: Registry(norms=registry().norms, layers={}, stacks={}))
+    return monkeypatch
+
+
+@pytest.mark.parametrize(
+    "family, dtype",
+    [(family, dtype) for family in MAIN_FAMILIES for dtype in DTYPES]
+    + [(family, torch.bfloat16) for family in OTHER_FAMILIES],
+    ids=str,
+)
+def test_logits_match_eager_and_fp64(family, dtype, norms_only):
+    model = tiny_model(family, dtype)
+    ids = input_ids()
+    truth = _logits(clone(model).double(), ids)
+    eager = _logits(model, ids)
+
+    patch_model(model)
+    unfused = _logits(model, ids)
+    unpatch_model(model)
+    norms_only.undo()
+    report = patch_model(model)
+    patched = _logits(model, ids)
+
+    assert len(report.fused_adds) == 4  # both adds of both layers
+    # The residual sum is rounded exactly as `residual + h` rounds, so fusing the adds changes no bit.
+    assert torch.equal(patched, unfused)
+    _assert_close_rel(patched, eager, LOGIT_TOL[dtype])
+    # Not less accurate than the eager model, up to one ulp at the largest logit.
+    eps = torch.finfo(dtype).eps * truth.abs().max().item()
+    assert _max_err(patched, truth) <= _max_err(eager, truth) + eps
+
+    unpatch_model(model)
+    assert torch.equal(_logits(model, ids), eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_loss_and_every_gradient_match_eager(family, dtype):
+    model = tiny_model(family, dtype).train()
+    ids = input_ids()
+    patched_model = clone(model)
+    patch_model(patched_model)
+
+    losses, grads = [], []
+    for m in (model, patched_model):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss)
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+
+    torch.testing.assert_close(losses[1], losses[0], rtol=LOGIT_TOL[dtype], atol=0)
+    assert grads[0].keys() == grads[1].keys()
+    for name, expected in grads[0].items():
+        actual = grads[1][name]
+        assert actual is not None and actual.dtype == expected.dtype, name
+        _assert_close_rel(actual, expected, GRAD_TOL[dtype])
+    assert any("norm" in name and grads[1][name].abs().sum() > 0 for name in grads[1])
+
+
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_greedy_generation_is_identical(family):
+    model = tiny_model(family)
+    prompt = input_ids(batch=1, seq=5)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    expected = model.generate(prompt, **kwargs)
+    patch_model(model)
+    assert torch.equal(model.generate(prompt, **kwargs), expected)
+
+
+def _per_layer(counts_by_depth: dict[int, dict[str, int]], key=None) -> tuple[int, int]:
+    """(ops of one layer, ops outside the layers) from counts of the same model at depths 2 and 3."""
+    total = {depth: sum(c.values()) if key is None else sum(c[k] for k in key) for depth, c in counts_by_depth.items()}
+    per_layer = total[3] - total[2]
+    return per_layer, total[2] - 2 * per_layer
+
+
+NORM_OPS = ("pow", "mean", "rsqrt")
+
+
+@pytest.mark.parametrize("family, norms_per_layer", [("llama", 2), ("qwen3", 4)])
+def test_dispatch_counts(family, norms_per_layer, monkeypatch):
+    """Eager, a layer spends 8 aten ops per norm (to, pow, mean, add, rsqrt, mul, to, mul) and 2 residual adds;
+    patched, no norm maths is left in aten and a layer runs one kernel per norm, residual adds included
+    (with autograd the MLP add stays an aten add)."""
+    ids = input_ids()
+    counts = {}
+    for depth in (2, 3):
+        model = tiny_model(family, torch.bfloat16, layers=depth)
+        eager = count_ops(model, ids, monkeypatch)
+        patch_model(model)
+        counts[depth] = (eager, count_ops(model, ids, monkeypatch), count_ops(model, ids, monkeypatch, grad=True))
+    eager, inference, training = ({depth: counts[depth][i] for depth in counts} for i in range(3))
+
+    assert _per_layer(eager, NORM_OPS) == (3 * norms_per_layer, 3)
+    for patched in (inference, training):
+        assert all(patched[depth][op] == 0 for depth in patched for op in NORM_OPS)
+        # Layer 0's input norm and the final norm outside the layers (in inference the final norm is handed
+        # the last layer's sum), one kernel per norm in each layer.
+        assert _per_layer(patched, ("hf_rmsnorm.kernel",)) == (norms_per_layer, 1)
+    eager_adds = _per_layer(eager, ("add",))[0]
+    assert eager_adds - _per_layer(inference, ("add",))[0] == norms_per_layer + 2  # eps adds and both residuals
+    assert eager_adds - _per_layer(training, ("add",))[0] == norms_per_layer + 1
+    assert _per_layer(eager)[0] - _per_layer(inference)[0] == 8 * norms_per_layer + 2 - norms_per_layer
+    print(
+        f"\n{family} aten ops per layer (bf16): eager {_per_layer(eager)[0]}, patched {_per_layer(inference)[0]} "
+        f"in inference, {_per_layer(training)[0]} with autograd"
+    )
+
+
+def test_classes_keep_their_names_and_isinstance():
+    from accelerate.utils.dataclasses import get_module_class_from_name
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    model = tiny_model("qwen3")
+    originals = {name: type(m) for name, m in model.named_modules()}
+    report = patch_model(model)
+
+    assert {"model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm", "model.norm"} <= set(report.norms)
+    assert len(report.norms) == 9 and report.families == ["Qwen3"]
+    for name, module in model.named_modules():
+        cls, original = type(module), originals[name]
+        assert isinstance(module, original)
+        assert (cls.__name__, cls.__qualname__, cls.__module__) == (
+            original.__name__, original.__qualname__, original.__module__
+        )
+    layer = model.model.layers[0]
+    assert type(layer) is not q3.Qwen3DecoderLayer and isinstance(layer, q3.Qwen3DecoderLayer)
+    # FSDP's auto-wrap policy and accelerate look layers up by the names in _no_split_modules ...
+    assert get_module_class_from_name(model, "Qwen3DecoderLayer") is type(layer)
+    assert "Qwen3DecoderLayer" in model._no_split_modules
+    # ... and FSDP2 recipes find the final norm by "Norm" in its class name.
+    assert "Norm" in type(model.model.norm).__name__
+    assert repr(model) == repr(tiny_model("qwen3"))
+
+
+def _snapshot(model):
+    return {name: (type(m), sorted(m.__dict__), dict(m.__dict__)) for name, m in model.named_modules()}
+
+
+def _assert_same(model, snapshot):
+    for name, module in model.named_modules():
+        cls, keys, attrs = snapshot[name]
+        assert type(module) is cls, name
+        assert sorted(module.__dict__) == keys, name
+        assert all(module.__dict__[k] is v or module.__dict__[k] == v for k, v in attrs.items()), name
+
+
+def test_patching_twice_is_a_no_op_and_unpatch_restores_exactly():
+    model = tiny_model("llama", torch.bfloat16)
+    ids = input_ids()
+    before = _snapshot(model)
+    eager = _logits(model, ids)
+
+    report = patch_model(model)
+    patched = _snapshot(model)
+    assert patch_model(model) is report
+    _assert_same(model, patched)
+
+    unpatch_model(model)
+    _assert_same(model, before)
+    assert torch.equal(_logits(model, ids), eager)
+    with pytest.raises(ValueError, match="not patched"):
+        unpatch_model(model)
+
+
+def test_a_model_whose_submodule_was_patched_is_left_as_is():
+    model = tiny_model("llama")
+    inner = patch_model(model.model)
+    report = patch_model(model)
+    assert not report.norms and len(report.skipped) == len(inner.norms) + 2  # + the two layers
+    assert all("already patched" in reason for _, reason in report.skipped)
+
+
+@pytest.mark.parametrize("where, failing_call", [("fused_class", 6), ("_set_attr", 2)])
+def test_a_failure_midway_restores_everything(where, failing_call, monkeypatch):
+    """Fails at the first layer's class swap (after the five norms') or at the second added attribute."""
+    module = {"fused_class": patcher.modules, "_set_attr": patcher}[where]
+    model = tiny_model("llama")
+    before = _snapshot(model)
+    original = getattr(module, where)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == failing_call:
+            raise RuntimeError("injected failure")
+        return original(*args)
+
+    monkeypatch.setattr(module, where, failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        patch_model(model)
+    _assert_same(model, before)
+
+
+def test_handoff_returns_only_for_the_same_unmodified_tensor():
+    from hf_rmsnorm.modules import Handoff
+
+    handoff, source, normed = Handoff(), torch.ones(2, 4), torch.zeros(2, 4)
+    with torch.no_grad():
+        handoff.put(source, normed)
+        assert handoff.take(torch.ones(2, 4)) is None
+        assert handoff.take(source) is None  # an entry is consumed by the first call, hit or miss
+        handoff.put(source, normed)
+        assert handoff.take(source) is normed
+        handoff.put(source, normed)
+        source.mul_(2)
+        assert handoff.take(source) is None
+        handoff.put(source, normed)
+    assert handoff.take(source) is None  # autograd on: a precomputed output has no graph
+    with torch.no_grad():
+        handoff.put(source, normed)
+        del source
+        assert handoff._entry is None  # the entry dies with its input
+
+
+def test_a_model_running_fewer_layers_than_it_has(norms_only):
+    """``config.num_hidden_layers`` below the layer count: the last layer run hands its sum to a norm that is
+    never called, and the final norm computes it itself."""
+    model = tiny_model("llama", torch.bfloat16, layers=3)
+    model.config.num_hidden_layers = 2
+    ids = input_ids()
+    unfused = clone(model)
+    patch_model(unfused)
+    norms_only.undo()
+    patch_model(model)
+    assert torch.equal(_logits(model, ids), _logits(unfused, ids))
+    assert model.model.layers[2].input_layernorm._hf_rmsnorm_handoff._entry is None
+
+
+@pytest.mark.parametrize("obj", [42, "model", torch.nn.Linear(4, 4)], ids=["int", "str", "Linear"])
+def test_unsupported_objects_raise_and_are_left_untouched(obj):
+    with pytest.raises(UnsupportedModelError, match="Llama, Mistral, Qwen2, Qwen3") as error:
+        patch_model(obj)
+    assert isinstance(error.value, ValueError)
+    assert type(obj).__name__ in str(error.value)
+
+
+def test_an_unsupported_family_raises_and_is_left_untouched():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
+    before = _snapshot(model)
+    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel has no norm .*LayerNorm.*supports Llama"):
+        patch_model(model)
+    _assert_same(model, before)
+
+
+def test_norms_of_unknown_classes_are_skipped_never_patched():
+    class MyRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(64))
+            self.variance_epsilon = 1e-6
+
+    model = tiny_model("llama")
+    model.model.extra_norm = MyRMSNorm()
+    model.model.layer_norm = torch.nn.LayerNorm(64)
+    report = patch_model(model)
+    assert type(model.model.extra_norm) is MyRMSNorm and type(model.model.layer_norm) is torch.nn.LayerNorm
+    skipped = dict(report.skipped)
+    assert "is not a norm of a supported family" in skipped["model.extra_norm"]
+    assert skipped["model.layer_norm"].startswith("torch.nn.modules.normalization.LayerNorm is not")
+    assert len(report.norms) == 5
+
+
+def test_a_layer_of_unexpected_structure_keeps_patched_norms_without_fused_adds(monkeypatch):
+    import dataclasses
+
+    model = tiny_model("llama", torch.bfloat16)
+    full = registry()
+    changed = {cls: (family, dataclasses.replace(kind, forward_params=("hidden_states", "mask")))
+               for cls, (family, kind) in full.layers.items()}
+    monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, changed, full.stacks))
+    ids = input_ids()
+    eager = _logits(model, ids)
+    report = patch_model(model)
+    assert len(report.norms) == 5 and not report.fused_adds
+    assert [name for name, _ in report.skipped] == ["model.layers.0", "model.layers.1"]
+    assert "residual adds not fused: forward(hidden_states" in report.skipped[0][1]
+    _assert_close_rel(_logits(model, ids), eager, LOGIT_TOL[torch.bfloat16])
+
+
+def test_a_norm_whose_forward_another_library_replaced_is_skipped(monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def forward(self, hidden_states):
+        return hidden_states
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", forward)
+    model = tiny_model("qwen2")
+    model.model.norm = tiny_model("llama").model.norm
+    report = patch_model(model)
+    assert "model.norm" not in report.norms
+    assert dict(report.skipped)["model.norm"].startswith("LlamaRMSNorm.forward was replaced by ")
+
+
+def test_unpatch_refuses_when_a_class_was_changed_after_patching():
+    model = tiny_model("llama")
+    patch_model(model)
+    norm = model.model.norm
+    norm.__class__ = type("Wrapped", (type(norm),), {})
+    with pytest.raises(ValueError, match="was changed to .*Wrapped after patching"):
+        unpatch_model(model)
+    assert type(model.model.layers[0].input_layernorm).__dict__.get("_hf_rmsnorm_base") is not None
+
+
+def test_report_reads_well():
+    model = tiny_model("phi3")
+    model.model.extra = torch.nn.LayerNorm(64)
+    text = str(patch_model(model))
+    assert text.splitlines()[0] == "hf_rmsnorm: 5 norms patched (Phi3), 4 residual adds fused, 1 skipped"
+    assert "    model.layers.0: attention residual -> model.layers.0.post_attention_layernorm (while " in text
+    assert "    model.layers.1: mlp residual -> model.norm (inference) (while resid_mlp_dropout is inactive)" in text
+    assert text.endswith("\n    model.extra: torch.nn.modules.normalization.LayerNorm is not a norm of a supported family")
