@@ -1,0 +1,166 @@
+"""Loads a causal LM from a preset name, a ``save_pretrained`` directory or a Hub id, with one-line errors.
+
+Every failure a user can cause (a mistyped path, a directory without a model, no network, an unknown dtype)
+is raised as ``ModelLoadError`` with a message that says what to do instead, so command-line scripts can print
+it as one line and exit. Whether the patcher *supports* the architecture is not decided here: loading just
+loads, and ``patch_model`` raises ``UnsupportedModelError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .presets import PRESETS, build_preset
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
+
+# Seconds to wait for the Hub before declaring it unreachable; transformers alone retries for ~25 s.
+_HUB_PROBE_TIMEOUT_S = 3.0
+
+
+class ModelLoadError(ValueError):
+    """A model or setting the user named cannot be loaded; the message is one actionable line."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"`` (or their torch spellings) as a ``torch.dtype``."""
+    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+def _choices_hint() -> str:
+    return f"pass a directory written by save_pretrained or a preset ({', '.join(PRESETS)})"
+
+
+def looks_like_path(name: str) -> bool:
+    """True when ``name`` is meant as a filesystem path rather than a Hub id.
+
+    Hub ids are ``name`` or ``org/name``; on POSIX their ``/`` is also the path separator, so a separator alone
+    does not make a path. Paths are what exists on disk, starts with ``.``, ``~`` or a root, has a
+    backslash separator (Windows) or more than one ``/``.
+    """
+    if name.startswith((".", "~")) or os.path.isabs(name) or os.path.exists(name):
+        return True
+    if os.sep != "/" and os.sep in name:
+        return True
+    return name.count("/") > 1
+
+
+def _hub_reachable() -> bool:
+    """Whether a TCP connection to the Hub endpoint opens within a few seconds.
+
+    Behind a proxy a direct connection proves nothing, so the answer is then yes and transformers decides.
+    """
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    if urllib.request.getproxies().get(endpoint.scheme):
+        return True
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout=_HUB_PROBE_TIMEOUT_S).close()
+        return True
+    except OSError:
+        return False
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# A save_pretrained directory holds a tokenizer only if it wrote one of these; without them transformers 5
+# builds an empty tokenizer from the model type instead of failing.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _from_pretrained(
+    source: str, dtype: torch.dtype, device: torch.device, *, local_only: bool, with_tokenizer: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    # On a GPU, device_map puts the weights straight on the card (one device: no accelerate hooks).
+    device_map = {"": device} if device.type != "cpu" else None
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, device_map=device_map, local_files_only=local_only
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only) if with_tokenizer else None
+    return model.to(device).eval(), tokenizer
+
+
+def _load_directory(name: str, dtype: torch.dtype, device: torch.device):
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{name}: no such file or directory; {_choices_hint()}")
+    if not path.is_dir():
+        raise ModelLoadError(f"{name}: is a file, not a model directory; {_choices_hint()}")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{name}: no config.json, so no model saved here; {_choices_hint()}")
+    with_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
+    try:
+        return _from_pretrained(str(path), dtype, device, local_only=True, with_tokenizer=with_tokenizer)
+    except (OSError, ValueError, KeyError) as exc:
+        # Unknown model_type, a config that is not a causal LM, missing or corrupt weight files.
+        raise ModelLoadError(f"{name}: transformers cannot load it as a causal LM: {_first_line(exc)}") from exc
+
+
+def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device):
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        # A cached snapshot is a save_pretrained directory; loading it as one makes no network request
+        # (transformers' own local_files_only still probes the Hub for adapter files).
+        return _load_directory(snapshot_download(repo_id, local_files_only=True), dtype, device)
+    except HFValidationError as exc:
+        raise ModelLoadError(f"{repo_id!r} is neither an existing path nor a valid Hub id; {_choices_hint()}") \
+            from exc
+    except LocalEntryNotFoundError:
+        pass  # not cached: fetch it if the Hub can be reached
+    if is_offline_mode():
+        raise ModelLoadError(
+            f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {_choices_hint()}"
+        )
+    if not _hub_reachable():
+        raise ModelLoadError(
+            f"{repo_id!r} is not cached and the Hugging Face Hub is unreachable; {_choices_hint()}, "
+            "and set HF_HUB_OFFLINE=1 to skip network attempts"
+        )
+    try:
+        return _from_pretrained(repo_id, dtype, device, local_only=False, with_tokenizer=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{repo_id!r}: cannot load it from the Hub: {_first_line(exc)}") from exc
+
+
+def load_model(
+    name_or_path: str, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Loads a causal LM in eval mode on ``device``, with its tokenizer when one is available.
+
+    Args:
+        name_or_path: a preset name (see ``hf_rmsnorm.presets.PRESETS``; no tokenizer), a directory written by
+            ``save_pretrained`` (see ``looks_like_path``), or a Hub id such as ``Qwen/Qwen3-0.6B`` (the local
+            cache is tried first, and the network only when the Hub answers within a few seconds).
+        dtype: the dtype of the weights.
+        device: where the model goes.
+        seed: random seed for a preset's weights; ignored for saved models.
+
+    Raises:
+        ModelLoadError: with a one-line message saying what to pass instead.
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    device = torch.device(device)
+    if name_or_path in PRESETS:
+        return build_preset(name_or_path, dtype=dtype, seed=seed).to(device), None
+    if looks_like_path(name_or_path):
+        return _load_directory(name_or_path, dtype, device)
+    return _load_hub(name_or_path, dtype, device)

@@ -1,0 +1,296 @@
+"""Parity of a patched model with its unpatched ("eager") self: inputs, model runs, metrics and the verdict.
+
+The check runs one left-padded batch through the eager model, through the same weights in a higher precision
+(the reference: fp32, or fp64 when the model runs in fp32) and through the patched model, then asks whether
+the patched model is as good an approximation of the reference as the eager model is.
+
+Verdict (``VERDICT_RULE`` states it for users): the patched model passes when
+
+1. accuracy: its mean |logit error| against the reference is at most ``ACCURACY_SLACK`` (1.10) times the
+   eager model's. Both models share every rounding outside the norms, so their errors are nearly the same
+   number; a 10% allowance covers a kernel that rounds differently (not worse) while a real defect (a wrong
+   eps, a dropped weight, a missed cast) moves the error by far more than that; and
+2. decisions: at every position where the reference's top-1 logit beats its top-2 by more than the dtype's
+   noise, the patched model's top-1 token is the reference's. The noise at a position is the larger of
+   ``NOISE_EPS_FACTOR`` (4) machine epsilons of the dtype times the position's largest |logit| (a floor of
+   2 to 4 units in the last place of that logit, about what the final norm and the LM head's rounding alone
+   put there) and twice the eager model's largest |logit error| at that position (what this dtype
+   demonstrably did there: an error of that size cannot swap two logits further apart than twice it). The
+   eager model meets rule 2 by construction of the second term, so a failure means the patched model errs
+   where the eager model does not.
+
+Greedy generation is compared and reported but does not decide the verdict: one near-tie flipped by a
+legitimate rounding difference changes every later token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import asdict, dataclass
+from itertools import chain
+from typing import Iterator
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+ACCURACY_SLACK = 1.10
+NOISE_EPS_FACTOR = 4
+
+VERDICT_RULE = (
+    "PASS when (1) the patched model's mean |logit error| against the reference (the unpatched model upcast "
+    f"to fp32, or fp64 for an fp32 run) is at most {ACCURACY_SLACK:.2f}x the unpatched model's, and (2) its "
+    "top-1 token equals the reference's wherever the reference's top-1 minus top-2 logit exceeds the dtype's "
+    f"noise: max({NOISE_EPS_FACTOR} * eps(dtype) * max|logit| at that position, 2 * the unpatched model's "
+    "largest |logit error| there). Greedy generation is reported, not judged."
+)
+
+# A fixed English passage: prompts come from it so real tokenizers produce realistic, reproducible inputs.
+_PROMPT_TEXT = (
+    "The kernel reads each row of the hidden state once, adds the residual, computes the root mean square in "
+    "single precision, and writes both the normalised row and the new residual stream back to memory. "
+    "Fusing these steps saves one full pass over the activations in every decoder layer, which matters most "
+    "when the batch is small and the model spends its time moving data rather than multiplying matrices. "
+)
+
+
+@dataclass
+class Prompts:
+    """A batch of token ids with its attention mask (0 marks left padding)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+
+    @property
+    def position_ids(self) -> Tensor:
+        """Positions counted from each row's first real token, so a padded row matches its unpadded self."""
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """The id used for left padding: the tokenizer's or config's pad token, else eos, else 0."""
+    for candidate in (
+        getattr(tokenizer, "pad_token_id", None),
+        model.config.pad_token_id,
+        getattr(tokenizer, "eos_token_id", None),
+        model.config.eos_token_id,
+    ):
+        if isinstance(candidate, list):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def _token_stream(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
+    if tokenizer is not None:
+        ids = tokenizer(_PROMPT_TEXT, add_special_tokens=False)["input_ids"]
+    else:
+        # Byte-level fallback for models saved without a tokenizer (the presets reserve ids 0-255 for it).
+        ids = list(_PROMPT_TEXT.encode())
+    return [i % vocab_size for i in ids]
+
+
+def make_prompts(
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
+    batch_size: int,
+    prompt_len: int,
+    pad_id: int,
+    *,
+    left_pad: bool,
+    device: torch.device | str = "cpu",
+) -> Prompts:
+    """Rows of ``prompt_len`` tokens taken at different offsets of a fixed passage.
+
+    With ``left_pad`` the rows get shorter down the batch (the last one about half ``prompt_len``) and are
+    left-padded with ``pad_id``, as batched generation does; otherwise every row is full.
+    """
+    stream = _token_stream(tokenizer, vocab_size)
+    ids = torch.full((batch_size, prompt_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch_size, prompt_len), dtype=torch.long)
+    for row in range(batch_size):
+        length = max(1, prompt_len - (row * prompt_len) // (2 * batch_size)) if left_pad else prompt_len
+        # Repeat the passage as often as needed; offset rows so they differ.
+        start = 7 * row
+        tokens = [stream[(start + k) % len(stream)] for k in range(length)]
+        ids[row, prompt_len - length:] = torch.tensor(tokens)
+        mask[row, prompt_len - length:] = 1
+    return Prompts(ids.to(device), mask.to(device))
+
+
+@torch.no_grad()
+def prompt_logits(model: PreTrainedModel, prompts: Prompts) -> Tensor:
+    """Logits at every real (unpadded) prompt position, ``[positions, vocab]``, in at least fp32."""
+    inputs = {"input_ids": prompts.input_ids, "attention_mask": prompts.attention_mask}
+    # Models that take positions get them counted from each row's first real token, as generate() does;
+    # a few architectures (ALiBi ones) have no position_ids argument.
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        inputs["position_ids"] = prompts.position_ids
+    logits = model(**inputs).logits
+    valid = prompts.attention_mask.bool()
+    return logits[valid].to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def generation_config(new_tokens: int, pad_id: int) -> GenerationConfig:
+    """Greedy decoding of exactly ``new_tokens`` tokens, ignoring the checkpoint's sampling defaults."""
+    return GenerationConfig(
+        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id
+    )
+
+
+@torch.no_grad()
+def greedy_tokens(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> Tensor:
+    """The ``[batch, new_tokens]`` tokens greedy ``generate()`` appends to the prompts."""
+    out = model.generate(
+        input_ids=prompts.input_ids,
+        attention_mask=prompts.attention_mask,
+        generation_config=generation_config(new_tokens, pad_id),
+    )
+    return out[:, prompts.input_ids.shape[1]:].cpu()
+
+
+def reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision the reference runs in: fp32 for half-precision models, fp64 for fp32 ones."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+@contextlib.contextmanager
+def upcast(model: PreTrainedModel, dtype: torch.dtype) -> Iterator[PreTrainedModel]:
+    """Temporarily casts every floating parameter and buffer of ``model`` to ``dtype``, in place.
+
+    Used instead of a copy so a large model needs memory for one copy in the reference dtype, not two. The
+    restore is exact: every bf16/fp16/fp32 value is representable in the wider dtype, so casting back gives
+    the original bits. Tensors are cast one by one to their own dtype, which keeps fp32 buffers of a bf16
+    model (rotary ``inv_freq``) in fp32 afterwards.
+    """
+    originals: list[tuple[Tensor, torch.dtype]] = []
+    for tensor in chain(model.parameters(), model.buffers()):
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            originals.append((tensor, tensor.dtype))
+            tensor.data = tensor.data.to(dtype)
+    try:
+        yield model
+    finally:
+        for tensor, original in originals:
+            tensor.data = tensor.data.to(original)
+
+
+@dataclass
+class ParityReport:
+    """Parity figures of a patched model against the eager model and the reference (see module docstring)."""
+
+    dtype: str
+    reference_dtype: str
+    positions: int
+    # Patched against eager.
+    max_abs_diff: float
+    mean_abs_diff: float
+    top1_agreement: float
+    kl_mean: float
+    kl_max: float
+    # Both against the reference.
+    eager_max_err: float
+    eager_mean_err: float
+    patched_max_err: float
+    patched_mean_err: float
+    # Rule 2: positions where the reference is decisive, and top-1 misses there.
+    decisive_positions: int
+    eager_top1_misses: int
+    patched_top1_misses: int
+    # Greedy generation, patched against eager.
+    new_tokens: int
+    greedy_match: bool
+    greedy_first_divergence: int | None
+    # Verdict.
+    accuracy_ok: bool
+    top1_ok: bool
+
+    @property
+    def passed(self) -> bool:
+        """The verdict: both rules hold."""
+        return self.accuracy_ok and self.top1_ok
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every figure plus ``passed``."""
+        return {**asdict(self), "passed": self.passed}
+
+
+def noise(dtype: torch.dtype, reference: Tensor, eager: Tensor) -> Tensor:
+    """Per-position logit noise of ``dtype``: the threshold of rule 2 (see module docstring)."""
+    a_priori = NOISE_EPS_FACTOR * torch.finfo(dtype).eps * reference.abs().amax(-1)
+    observed = 2 * (eager.to(reference.dtype) - reference).abs().amax(-1)
+    return torch.maximum(a_priori, observed)
+
+
+def _kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
+    """KL(p || q) per position, in fp64 so that tiny divergences do not drown in cancellation."""
+    log_p = torch.log_softmax(p_logits.double(), -1)
+    log_q = torch.log_softmax(q_logits.double(), -1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def _first_divergence(a: Tensor, b: Tensor) -> int | None:
+    """Index of the first generated token where any row of ``a`` and ``b`` differs, or None."""
+    differs = (a != b).any(0).nonzero()
+    return int(differs[0]) if differs.numel() else None
+
+
+def compare(
+    eager: Tensor,
+    patched: Tensor,
+    reference: Tensor,
+    dtype: torch.dtype,
+    eager_tokens: Tensor,
+    patched_tokens: Tensor,
+) -> ParityReport:
+    """Computes every parity figure and the verdict.
+
+    Args:
+        eager, patched, reference: ``[positions, vocab]`` logits from ``prompt_logits`` of the unpatched model,
+            the patched model and the unpatched model in the reference dtype.
+        dtype: the dtype the eager and patched models ran in.
+        eager_tokens, patched_tokens: greedy tokens from ``greedy_tokens``.
+    """
+    ref = reference.double()
+    eager, patched = eager.double(), patched.double()
+    diff = (patched - eager).abs()
+    kl = _kl(eager, patched)
+    eager_err, patched_err = (eager - ref).abs(), (patched - ref).abs()
+
+    top2 = ref.topk(2, -1)
+    margin = top2.values[:, 0] - top2.values[:, 1]
+    decisive = margin > noise(dtype, ref, eager)
+    ref_top1 = top2.indices[:, 0]
+    eager_misses = int(((eager.argmax(-1) != ref_top1) & decisive).sum())
+    patched_misses = int(((patched.argmax(-1) != ref_top1) & decisive).sum())
+
+    divergence = _first_divergence(eager_tokens, patched_tokens)
+    report = ParityReport(
+        dtype=str(dtype).removeprefix("torch."),
+        reference_dtype=str(reference.dtype).removeprefix("torch."),
+        positions=int(ref.shape[0]),
+        max_abs_diff=float(diff.max()),
+        mean_abs_diff=float(diff.mean()),
+        top1_agreement=float((patched.argmax(-1) == eager.argmax(-1)).double().mean()),
+        kl_mean=float(kl.mean()),
+        kl_max=float(kl.max()),
+        eager_max_err=float(eager_err.max()),
+        eager_mean_err=float(eager_err.mean()),
+        patched_max_err=float(patched_err.max()),
+        patched_mean_err=float(patched_err.mean()),
+        decisive_positions=int(decisive.sum()),
+        eager_top1_misses=eager_misses,
+        patched_top1_misses=patched_misses,
+        new_tokens=int(eager_tokens.shape[1]),
+        greedy_match=divergence is None,
+        greedy_first_divergence=divergence,
+        accuracy_ok=float(patched_err.mean()) <= ACCURACY_SLACK * float(eager_err.mean()),
+        top1_ok=patched_misses == 0,
+    )
+    if not all(math.isfinite(v) for v in (report.max_abs_diff, report.kl_max, report.patched_max_err)):
+        # NaN compares false everywhere, so the rules above could not see it; a NaN logit is a failure.
+        report.accuracy_ok = False
+    return report

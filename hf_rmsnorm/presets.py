@@ -1,0 +1,110 @@
+"""Built-in tiny models: real transformers configs shrunk to run in seconds on a CPU, with random weights.
+
+They need no network, so ``scripts/verify.py`` and the examples work on a fresh machine. Each preset keeps the
+features of its family that the patcher must handle (grouped-query attention, Qwen2's qkv bias, Qwen3's
+per-head q/k norms, tied embeddings where the small real checkpoints tie them) and scales the sizes down.
+
+Token ids 0-255 are reserved for a byte-level fallback tokenisation (UTF-8 bytes as ids); ids 0, 1 and 2 are
+pad, bos and eos, control bytes that never occur in text.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
+
+# Shared by every preset: 2 layers of width 128, 4 query heads of 32 (2 key/value heads), room for bytes.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    # Wider than HF's 0.02 so the random model's logits spread over a few units, as a trained model's do:
+    # with 0.02 every next-token distribution is nearly flat and top-1 agreement would test nothing.
+    initializer_range=0.1,
+    pad_token_id=PAD_TOKEN_ID,
+    bos_token_id=BOS_TOKEN_ID,
+    eos_token_id=EOS_TOKEN_ID,
+)
+
+# HF initialises norm weights to ones, which would let a kernel that ignores its weight look correct; the
+# presets draw them around one instead.
+_NORM_WEIGHT_STD = 0.2
+
+
+def _tiny_llama() -> PretrainedConfig:
+    """Llama 2 7B layout: multi-head attention (as many key/value heads as query heads), untied head,
+    rms_norm_eps 1e-5."""
+    return LlamaConfig(**{**_COMMON, "num_key_value_heads": 4}, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def _tiny_mistral() -> PretrainedConfig:
+    """Mistral 7B layout: untied head, sliding-window attention (window wider than the test prompts)."""
+    return MistralConfig(**_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=1024)
+
+
+def _tiny_qwen2() -> PretrainedConfig:
+    """Qwen2-0.5B layout: qkv projections with bias, tied embeddings, rms_norm_eps 1e-6."""
+    return Qwen2Config(**_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def _tiny_qwen3() -> PretrainedConfig:
+    """Qwen3-0.6B layout: per-head q_norm/k_norm over head_dim, tied embeddings, rms_norm_eps 1e-6."""
+    return Qwen3Config(**_COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def _tiny_phi3() -> PretrainedConfig:
+    """Phi-3-mini layout: fused qkv and gate/up projections, residual dropouts (inactive in eval)."""
+    return Phi3Config(**_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "tiny-llama": _tiny_llama,
+    "tiny-mistral": _tiny_mistral,
+    "tiny-qwen2": _tiny_qwen2,
+    "tiny-qwen3": _tiny_qwen3,
+    "tiny-phi3": _tiny_phi3,
+}
+
+DEFAULT_PRESET = "tiny-llama"
+
+
+def build_preset(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
+    """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on CPU.
+
+    The weights are drawn in fp32 and then cast, so a preset holds the same values (up to rounding) in every
+    dtype.
+
+    Raises:
+        KeyError: ``name`` is not in ``PRESETS``.
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    config = PRESETS[name]()
+    generator = torch.Generator().manual_seed(seed)
+    # from_config draws its initial weights from the global RNG; fork it so building a preset leaves the
+    # caller's random state alone.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name_, param in model.named_parameters():
+            if name_.endswith("norm.weight"):
+                param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
+    return model.to(dtype).eval()

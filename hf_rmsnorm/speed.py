@@ -1,0 +1,88 @@
+"""End-to-end ``generate()`` speed on a GPU: prefill and decode throughput and peak memory.
+
+Prefill is timed as ``generate(max_new_tokens=1)`` (one forward over the prompt plus one sampled token) and
+decode as the extra time ``generate(max_new_tokens=N)`` takes over that, per generated token. Each figure is
+the median of ``repeats`` runs after a warm-up run of both (Triton compiles its kernels and cuBLAS picks its
+algorithms on first use), with the device synchronised around every timed call so queued GPU work is counted.
+There is no CPU path: Triton's interpreter runs one program at a time in numpy, so CPU timings would measure
+the interpreter, not the kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .parity import Prompts, generation_config
+
+
+@dataclass
+class SpeedFigures:
+    """Throughput of one model on one workload."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    peak_memory_bytes: int
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of the figures."""
+        return asdict(self)
+
+
+def speedups(unpatched: SpeedFigures, patched: SpeedFigures) -> dict[str, float]:
+    """Patched over unpatched throughput (above 1 means the patch is faster)."""
+    return {
+        "prefill_speedup": patched.prefill_tokens_per_s / unpatched.prefill_tokens_per_s,
+        "decode_speedup": patched.decode_tokens_per_s / unpatched.decode_tokens_per_s,
+    }
+
+
+@torch.no_grad()
+def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> float:
+    config = generation_config(new_tokens, pad_id)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask, generation_config=config)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_generate(
+    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int
+) -> SpeedFigures:
+    """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model (see module docstring).
+
+    Args:
+        model: a model on a CUDA device.
+        prompts: an unpadded batch (every position is a real token, so tokens/s counts real tokens).
+        new_tokens: tokens to generate per row; at least 2 (decode is the part after the first).
+        repeats: timed runs per figure; the median is reported.
+        pad_id: pad token for ``generate``.
+
+    Returns:
+        Prefill tokens/s (``batch * prompt_len`` per prefill), decode tokens/s (``batch`` per step after the
+        first) and the peak memory allocated on the device during the timed runs.
+    """
+    if new_tokens < 2:
+        raise ValueError("decode timing needs new_tokens >= 2")
+    batch, prompt_len = prompts.input_ids.shape
+    for n in (1, new_tokens):
+        _timed_generate(model, prompts, n, pad_id)
+    device = prompts.input_ids.device
+    torch.cuda.reset_peak_memory_stats(device)
+    prefill_s, decode_s = [], []
+    for _ in range(repeats):
+        prefill = _timed_generate(model, prompts, 1, pad_id)
+        full = _timed_generate(model, prompts, new_tokens, pad_id)
+        prefill_s.append(prefill)
+        # Pairing each full run with the prefill just before it cancels drift between repeats.
+        decode_s.append(full - prefill)
+    return SpeedFigures(
+        prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
+        decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device),
+    )

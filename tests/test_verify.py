@@ -1,0 +1,300 @@
+"""scripts/verify.py and the modules behind it: presets, loading, parity metrics and the verdict.
+
+The command-line tests launch the script as users do (a subprocess, CPU, Triton's interpreter) with small
+prompts so each run takes seconds; the metric tests call ``hf_rmsnorm.parity`` on hand-made logits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_rmsnorm import parity
+from hf_rmsnorm.loading import ModelLoadError, looks_like_path, parse_dtype
+from hf_rmsnorm.presets import DEFAULT_PRESET, PRESETS, build_preset
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "verify.py"
+# Small enough that one run is a few seconds on two cores, large enough for padding and several decode steps.
+QUICK = ["--device", "cpu", "--prompt-len", "12", "--max-new-tokens", "4"]
+
+
+def run_verify(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", **env},
+    )
+
+
+def assert_bad_input(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """Exit status 2, no traceback, and the error is the last stderr line, the only one of its kind."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("verify.py: error:")]
+    assert len(errors) == 1 and result.stderr.splitlines()[-1] == errors[0], result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    assert result.stdout == ""
+
+
+# --- command line -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_cli_passes_on_each_preset(preset, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = run_verify("--model", preset, "--dtype", "fp32", "--json", str(report_path), *QUICK)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Verdict: PASS" in result.stdout
+    assert "Triton's CPU interpreter" in result.stdout and "needs a GPU" in result.stdout
+    report = json.loads(report_path.read_text())
+    assert report["passed"] is True and report["speed"] is None
+    assert report["environment"]["triton_interpreter"] is True
+    assert report["patch"]["norms"] > 0 and report["patch"]["fused_adds"] > 0
+    figures = report["parity"]
+    for key in ("max_abs_diff", "mean_abs_diff", "top1_agreement", "kl_mean", "kl_max", "eager_max_err",
+                "eager_mean_err", "patched_max_err", "patched_mean_err", "greedy_match"):
+        assert key in figures
+    assert figures["reference_dtype"] == "float64"
+    assert figures["positions"] < 2 * 12  # the second row is left-padded
+    assert figures["new_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_cli_loads_a_save_pretrained_directory(tmp_path):
+    build_preset("tiny-qwen3", seed=3).save_pretrained(tmp_path / "model")
+    result = run_verify("--model", str(tmp_path / "model"), "--dtype", "bf16", *QUICK)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Qwen3ForCausalLM" in result.stdout
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("verify_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--model", "./no/such/model"], ["no such file or directory"]),
+        (["--dtype", "fp8"], ["unknown dtype 'fp8'", "bf16, fp16, fp32"]),
+        (["--model", "org/not-cached-model"], ["HF_HUB_OFFLINE", "save_pretrained", "preset"]),
+        (["--prompt-len", "1"], ["--prompt-len"]),
+    ],
+    ids=["missing-path", "unknown-dtype", "hub-offline", "bad-number"],
+)
+def test_main_bad_input(args, fragments, capsys, monkeypatch):
+    # In-process (one interpreter start per check would cost seconds each); the subprocess tests below cover
+    # the real exit path.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script().main([*args, "--device", "cpu"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert_bad_input(subprocess.CompletedProcess(args, 2, captured.out, captured.err), *fragments)
+
+
+def test_main_hub_unreachable(capsys, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    # A closed local port: the connection is refused at once (and no proxy stands in between).
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    for name in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        _load_script().main(["--model", "org/not-cached-model", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert_bad_input(subprocess.CompletedProcess([], 2, captured.out, captured.err),
+                     "unreachable", "save_pretrained", "HF_HUB_OFFLINE")
+
+
+@pytest.mark.slow
+def test_cli_directory_without_model(tmp_path):
+    assert_bad_input(run_verify("--model", str(tmp_path), "--device", "cpu"), "no config.json")
+
+
+@pytest.mark.slow
+def test_cli_unsupported_architecture(tmp_path):
+    from transformers import BertConfig, BertLMHeadModel
+
+    config = BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, is_decoder=True)
+    BertLMHeadModel(config).save_pretrained(tmp_path / "bert")
+    result = run_verify("--model", str(tmp_path / "bert"), *QUICK)
+    assert_bad_input(result, "BertLMHeadModel", "Llama", "Qwen3", "LayerNorm", "post-LN")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cli_cuda_without_gpu():
+    assert_bad_input(run_verify("--device", "cuda"), "--device cuda", "no GPU")
+
+
+@pytest.mark.gpu
+def test_cli_measures_speed_on_gpu(tmp_path):
+    report_path = tmp_path / "report.json"
+    result = run_verify("--device", "cuda", "--prompt-len", "32", "--max-new-tokens", "8", "--repeats", "2",
+                        "--json", str(report_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    speed = json.loads(report_path.read_text())["speed"]
+    for model in ("unpatched", "patched"):
+        assert speed[model]["prefill_tokens_per_s"] > 0 and speed[model]["decode_tokens_per_s"] > 0
+        assert speed[model]["peak_memory_bytes"] > 0
+    assert speed["prefill_speedup"] > 0 and speed["decode_speedup"] > 0
+
+
+# --- presets and loading ----------------------------------------------------------------------------------
+
+
+def test_presets_are_reproducible_and_seeded():
+    assert DEFAULT_PRESET in PRESETS
+    a, b, c = build_preset(DEFAULT_PRESET), build_preset(DEFAULT_PRESET), build_preset(DEFAULT_PRESET, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.model.norm.weight, c.model.norm.weight)
+    # Norm weights are drawn, not left at ones, so a kernel that drops its weight cannot pass.
+    assert not torch.allclose(a.model.norm.weight, torch.ones_like(a.model.norm.weight))
+
+
+def test_path_or_hub_id():
+    assert looks_like_path("./model") and looks_like_path("~/model") and looks_like_path("/abs/model")
+    assert looks_like_path("a/b/c")
+    assert not looks_like_path("Qwen/Qwen3-0.6B") and not looks_like_path("gpt2")
+
+
+def test_parse_dtype():
+    assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype("float32") is torch.float32
+    with pytest.raises(ModelLoadError, match="unknown dtype"):
+        parse_dtype("int8")
+
+
+# --- parity metrics and verdict ---------------------------------------------------------------------------
+
+
+def _logits(seed: int = 0, positions: int = 8, vocab: int = 32) -> torch.Tensor:
+    return torch.randn(positions, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
+
+
+def _compare(eager, patched, reference, dtype=torch.bfloat16, tokens=None, patched_tokens=None):
+    tokens = torch.zeros(2, 4, dtype=torch.long) if tokens is None else tokens
+    patched_tokens = tokens if patched_tokens is None else patched_tokens
+    return parity.compare(eager, patched, reference, dtype, tokens, patched_tokens)
+
+
+def test_identical_models_pass():
+    reference = _logits()
+    eager = reference + 0.01 * _logits(1)
+    report = _compare(eager, eager.clone(), reference)
+    assert report.passed and report.max_abs_diff == 0 and report.kl_max == 0 and report.top1_agreement == 1
+    assert report.greedy_match and report.greedy_first_divergence is None
+
+
+def test_less_accurate_patch_fails():
+    reference = _logits()
+    eager = reference + 0.01 * _logits(1)
+    report = _compare(eager, reference + 0.02 * _logits(1), reference)
+    assert not report.accuracy_ok and not report.passed
+    # A different rounding of the same size is not worse.
+    assert _compare(eager, reference + 0.01 * _logits(2), reference).accuracy_ok
+
+
+def test_top1_flip_fails_only_where_reference_is_decisive():
+    reference = torch.zeros(2, 4, dtype=torch.float64)
+    reference[0, :2] = torch.tensor([5.0, 1.0])  # decisive: margin 4
+    reference[1, :2] = torch.tensor([1.0, 0.999])  # a near tie: margin below bf16 noise
+    eager = reference.clone()
+    flip_decisive = reference.clone()
+    flip_decisive[0, :2] = torch.tensor([1.0, 5.0])
+    assert _compare(eager, flip_decisive, reference).patched_top1_misses == 1
+    flip_tie = reference.clone()
+    flip_tie[1, :2] = torch.tensor([0.999, 1.0])
+    report = _compare(eager, flip_tie, reference)
+    assert report.decisive_positions == 1 and report.top1_ok and report.top1_agreement == 0.5
+
+
+def test_noise_is_the_larger_of_the_floor_and_twice_eager_error():
+    reference = torch.tensor([[10.0, 0.0]], dtype=torch.float64)
+    floor = parity.NOISE_EPS_FACTOR * torch.finfo(torch.bfloat16).eps * 10
+    assert parity.noise(torch.bfloat16, reference, reference).item() == pytest.approx(floor)
+    eager = reference + torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    assert parity.noise(torch.bfloat16, reference, eager).item() == pytest.approx(2.0)
+
+
+def test_nan_logits_fail():
+    reference = _logits()
+    patched = reference.clone()
+    patched[0, 0] = float("nan")
+    assert not _compare(reference.clone(), patched, reference).passed
+
+
+def test_greedy_divergence_is_reported_not_judged():
+    reference = _logits()
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    other = tokens.clone()
+    other[1, 2] = 7
+    report = _compare(reference.clone(), reference.clone(), reference, tokens=tokens, patched_tokens=other)
+    assert not report.greedy_match and report.greedy_first_divergence == 2 and report.passed
+
+
+def test_prompts_are_left_padded():
+    prompts = parity.make_prompts(None, 512, 3, 10, 0, left_pad=True)
+    lengths = prompts.attention_mask.sum(-1).tolist()
+    assert lengths[0] == 10 and lengths == sorted(lengths, reverse=True) and lengths[-1] < 10
+    assert (prompts.input_ids[prompts.attention_mask == 0] == 0).all()
+    assert prompts.position_ids[2, -lengths[2]:].tolist() == list(range(lengths[2]))
+    full = parity.make_prompts(None, 512, 2, 10, 0, left_pad=False)
+    assert full.attention_mask.all()
+
+
+def test_upcast_restores_every_tensor_exactly():
+    model = build_preset(DEFAULT_PRESET, dtype=torch.bfloat16)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    buffers = {name: b.dtype for name, b in model.named_buffers()}
+    with parity.upcast(model, torch.float32):
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    after = model.state_dict()
+    assert all(after[name].dtype == t.dtype and torch.equal(after[name], t) for name, t in before.items())
+    assert {name: b.dtype for name, b in model.named_buffers()} == buffers
+
+
+# --- speed figures and the report layout (the GPU path, exercised on CPU) ---------------------------------
+
+
+def test_speed_figures_and_report(monkeypatch):
+    from hf_rmsnorm.speed import measure_generate, speedups
+
+    # Stand-ins for the CUDA calls, so the timing logic runs on CPU.
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
+    model = build_preset(DEFAULT_PRESET)
+    prompts = parity.make_prompts(None, 512, 1, 8, 0, left_pad=False)
+    figures = measure_generate(model, prompts, new_tokens=3, repeats=2, pad_id=0)
+    assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
+    assert figures.peak_memory_bytes == 123
+    assert speedups(figures, figures) == {"prefill_speedup": 1.0, "decode_speedup": 1.0}
+
+    reference = _logits()
+    parity_figures = _compare(reference.clone(), reference.clone(), reference).to_dict()
+    report = {
+        "passed": True, "failure": None, "model": "m", "model_class": "C", "parameters": 10**6, "dtype": "bf16",
+        "settings": {"batch_size": 1, "parity_batch_size": 2, "prompt_len": 8, "max_new_tokens": 3, "repeats": 2},
+        "environment": {"hf_rmsnorm": "0", "torch": "0", "transformers": "0", "triton": "0", "python": "3",
+                        "device_name": "GPU", "triton_interpreter": False},
+        "patch": {"norms": 5, "fused_adds": 4, "skipped": 1, "skipped_modules": [["lm_head", "not a norm"]]},
+        "parity": parity_figures,
+        "speed": {"unpatched": figures.to_dict(), "patched": figures.to_dict(), **speedups(figures, figures)},
+    }
+    text = _load_script().render(report)
+    assert "decode tokens/s" in text and "1.000x" in text and "skipped lm_head: not a norm" in text
+    assert "Verdict: PASS" in text and "interpreter" not in text
