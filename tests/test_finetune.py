@@ -1,0 +1,359 @@
+"""scripts/finetune.py: data pipeline, bad input, and patched-vs-unpatched training runs on tiny presets.
+
+The training runs are real launches (``accelerate launch`` for DDP over gloo, ``python`` for one process) with
+the kernels in Triton's interpreter; each pair differs only in ``--no-patch`` and must give the same per-step
+losses and final parameters.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_rmsnorm.finetune_data import (
+    ByteTokenizer,
+    FinetuneInputError,
+    corpus_files,
+    pack,
+    project_text_files,
+    read_documents,
+    tokenize,
+)
+from hf_rmsnorm.patcher import patch_model
+from hf_rmsnorm.presets import build_preset
+from hf_rmsnorm.training import add_lora, enable_gradient_checkpointing
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "finetune.py"
+# Tiny runs: 2 sequences of 32 tokens per process and step, a learning rate large enough to move every weight.
+RUN_ARGS = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--lr", "1e-3", "--seed", "3"]
+FP32_LOSS_RTOL = 1e-4
+BF16_LOSS_RTOL = 2.0**-8  # half a bf16 ulp
+UPDATE_RTOL = 1e-3  # of the norm of a tensor's change during training
+LAUNCH_TIMEOUT_S = 300
+
+
+def _corpus_text() -> str:
+    lines = [f"Line {i}: the quick brown fox jumps over {i % 7} lazy dogs; norms fuse with adds." for i in range(60)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(_corpus_text())
+    return path
+
+
+# --- data pipeline ----------------------------------------------------------------------------------------
+
+
+def test_directory_corpus_is_its_txt_files_in_sorted_order(tmp_path):
+    (tmp_path / "sub").mkdir()
+    for name in ("b.txt", "a.txt", "sub/c.txt", "notes.md"):
+        (tmp_path / name).write_text(name)
+    assert [p.relative_to(tmp_path).as_posix() for p in corpus_files(tmp_path)] == ["a.txt", "b.txt", "sub/c.txt"]
+
+
+def test_default_corpus_is_the_project_itself():
+    files = project_text_files()
+    assert corpus_files(None) == files
+    assert ROOT / "hf_rmsnorm" / "finetune_data.py" in files
+    assert sum(len(text) for text in read_documents(files)) > 10_000
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing.txt", "no such file or directory"),
+        (lambda d: d, "holds no .txt files"),
+    ],
+)
+def test_bad_data_paths(tmp_path, make, message):
+    with pytest.raises(FinetuneInputError, match=message):
+        corpus_files(make(tmp_path))
+
+
+def test_blank_files_are_an_empty_corpus(tmp_path):
+    (tmp_path / "a.txt").write_text(" \n\t\n")
+    with pytest.raises(FinetuneInputError, match="empty corpus"):
+        read_documents(corpus_files(tmp_path / "a.txt"))
+
+
+@pytest.mark.parametrize("vocab_size", [512, 256, 100])
+def test_byte_tokens_fit_the_vocabulary(vocab_size):
+    text = "naïve 🙂 text"
+    ids = ByteTokenizer(vocab_size).encode(text)
+    assert max(ids) < vocab_size
+    assert ids == [b % vocab_size for b in text.encode()]  # the bytes themselves when the vocabulary has room
+
+
+class _WordTokenizer:
+    """The two things ``tokenize`` uses of a Hugging Face tokenizer."""
+
+    eos_token_id = 99
+
+    def __call__(self, texts, add_special_tokens, verbose):
+        return {"input_ids": [[len(word) for word in text.split()] for text in texts]}
+
+
+def test_model_tokenizer_separates_documents_with_eos():
+    assert tokenize(["a bb", "ccc"], _WordTokenizer(), vocab_size=128) == [1, 2, 99, 3, 99]
+
+
+def test_pack_cuts_full_rows_and_drops_the_tail():
+    rows = pack(list(range(10)), seq_len=4)
+    assert rows.dtype == torch.long
+    assert rows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize(
+    "n_tokens, min_sequences, message",
+    [(31, 1, "shorter than one sequence"), (64, 4, "one step needs 4")],
+)
+def test_pack_rejects_too_little_text(n_tokens, min_sequences, message):
+    with pytest.raises(FinetuneInputError, match=message):
+        pack([0] * n_tokens, seq_len=32, min_sequences=min_sequences)
+
+
+# --- bad input through the CLI ----------------------------------------------------------------------------
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("finetune_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    # The script builds an Accelerator in this process; do not leak its singleton state into other tests.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _gpt2_checkpoint(directory: Path) -> Path:
+    config = GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    return directory
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+# case -> (extra arguments, given a scratch directory and a good corpus; what the error line must say)
+BAD_INPUTS = {
+    "missing data": (lambda d, corpus: ["--data", str(d / "nope.txt")], "no such file or directory"),
+    "empty corpus": (lambda d, corpus: ["--data", str(_write(d / "empty.txt", ""))], "empty corpus"),
+    "corpus shorter than one sequence": (
+        lambda d, corpus: ["--data", str(_write(d / "short.txt", "too short"))],
+        "shorter than one sequence",
+    ),
+    "output dir is a file": (
+        lambda d, corpus: ["--data", str(corpus), "--output-dir", str(_write(d / "f", "x"))],
+        "is a file",
+    ),
+    "unsupported model": (
+        lambda d, corpus: ["--data", str(corpus), "--model", str(_gpt2_checkpoint(d / "gpt2"))],
+        "GPT2",
+    ),
+    "model that does not exist": (
+        lambda d, corpus: ["--data", str(corpus), "--model", str(d / "nomodel")],
+        "nomodel",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, corpus, capsys, fresh_accelerate_state):
+    make_args, message = BAD_INPUTS[case]
+    output_dir, metrics = tmp_path / "out", tmp_path / "metrics.json"
+    argv = ["--output-dir", str(output_dir), "--metrics-json", str(metrics), *RUN_ARGS, *make_args(tmp_path, corpus)]
+    capsys.readouterr()  # drop what making the inputs printed
+    assert _load_script().main(argv) == 2
+    err = capsys.readouterr().err
+    # transformers' loading progress bar may come first; the error is the last line, alone, with no traceback.
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("finetune.py: error: ") and "Traceback" not in err, err
+    assert message in errors[0] and err.rstrip().endswith(errors[0])
+    assert not output_dir.exists() and not metrics.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate runs FSDP on GPUs")
+def test_fsdp_without_a_gpu_is_refused(tmp_path, corpus, capsys, monkeypatch, fresh_accelerate_state):
+    # What `accelerate launch --use_fsdp` sets; on CPU accelerate would otherwise quietly run DDP.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    argv = ["--output-dir", str(tmp_path / "out"), "--data", str(corpus), *RUN_ARGS]
+    assert _load_script().main(argv) == 2
+    assert "runs FSDP only on GPUs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# --- training runs ----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _finetune(launcher: list[str], out: Path, extra: list[str]) -> tuple[dict, str]:
+    """Runs the script; returns its metrics and its stdout."""
+    metrics = out.with_suffix(".json")
+    proc = _run([*launcher, str(SCRIPT), "--output-dir", str(out), "--metrics-json", str(metrics), *extra], ROOT)
+    return json.loads(metrics.read_text()), proc.stdout
+
+
+def _accelerate() -> list[str]:
+    """``accelerate launch`` from this interpreter's environment, with the defaults it would warn about set."""
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
+    return [accelerate, "launch", "--num_machines", "1", "--dynamo_backend", "no"]
+
+
+def _accelerate_ddp() -> list[str]:
+    return [
+        *_accelerate(), "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no",
+        "--main_process_port", str(_free_port()),
+    ]
+
+
+def _assert_same_losses(patched: dict, unpatched: dict, rtol: float = FP32_LOSS_RTOL) -> None:
+    assert len(patched["losses"]) == len(unpatched["losses"]) == int(RUN_ARGS[RUN_ARGS.index("--max-steps") + 1])
+    for step, (a, b) in enumerate(zip(patched["losses"], unpatched["losses"])):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: patched {a} vs unpatched {b}"
+
+
+def _assert_same_training(
+    a_dir: Path, b_dir: Path, filename: str, initial: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The two saved results made the same training updates from ``initial``, tensor by tensor; returns ``a``.
+
+    Adam divides each update by the gradient's running RMS, so an entry whose gradient is ~0 can move by up
+    to the learning rate on rounding noise alone: compare whole tensors (L2), not entries.
+    """
+    a, b = load_file(a_dir / filename), load_file(b_dir / filename)
+    assert a.keys() == b.keys() == initial.keys()
+    for name in a:
+        diff = torch.linalg.norm(a[name] - b[name]).item()
+        update = torch.linalg.norm(b[name] - initial[name]).item()
+        assert diff <= UPDATE_RTOL * update, f"{name}: |patched - unpatched| = {diff:.3g}, |update| = {update:.3g}"
+    return a
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, corpus):
+    """The same 2-process CPU DDP fine-tune of tiny-llama, patched and unpatched."""
+    out = tmp_path_factory.mktemp("ddp")
+    extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
+    patched = _finetune(_accelerate_ddp(), out / "patched", extra)
+    unpatched = _finetune(_accelerate_ddp(), out / "unpatched", [*extra, "--no-patch"])
+    return out, patched, unpatched
+
+
+@pytest.mark.slow
+def test_ddp_patched_run_matches_unpatched(ddp_runs):
+    out, (patched, stdout), (unpatched, _) = ddp_runs
+    for metrics in (patched, unpatched):
+        assert metrics["num_processes"] == 2 and metrics["distributed_type"] == "MULTI_CPU"
+        assert metrics["tokens_per_s"] > 0 and metrics["peak_memory_bytes"] is None
+    assert patched["patched"] and patched["patch"]["norms"] > 0 and patched["patch"]["fused_adds"] > 0
+    assert unpatched["patch"] is None
+    # The report and the notes come from the main process only.
+    assert stdout.count("byte-level tokens") == 1
+    _assert_same_losses(patched, unpatched)
+    initial = build_preset("tiny-llama", seed=3).state_dict()
+    final = _assert_same_training(out / "patched", out / "unpatched", "model.safetensors", initial)
+    # Norm weights actually trained: every one moved away from the preset's initial values.
+    norm_names = [name for name in final if name.endswith("norm.weight")]
+    assert len(norm_names) == 2 * 2 + 1
+    for name in norm_names:
+        assert not torch.allclose(final[name], initial[name]), f"{name} did not train"
+
+
+@pytest.mark.slow
+def test_saved_checkpoint_loads_without_hf_rmsnorm(ddp_runs, tmp_path):
+    out, _, _ = ddp_runs
+    check = (
+        "import json, sys, torch\n"
+        "sys.modules['hf_rmsnorm'] = None  # any import of it now fails, as if it were not installed\n"
+        "from transformers import AutoModelForCausalLM\n"
+        f"model, info = AutoModelForCausalLM.from_pretrained({str(out / 'patched')!r}, output_loading_info=True)\n"
+        "logits = model(torch.arange(8)[None]).logits\n"
+        "print(json.dumps({'info': {k: list(v) for k, v in info.items()}, 'finite': bool(logits.isfinite().all()),\n"
+        "    'norms': sorted({type(m).__name__ for m in model.modules() if 'Norm' in type(m).__name__}),\n"
+        "    'modules': sorted(n for n in sys.modules if n.startswith('hf_rmsnorm') and sys.modules[n])}))\n"
+    )
+    result = json.loads(_run([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
+    assert all(not v for v in result["info"].values()), result["info"]  # no missing or unexpected weights
+    assert result["finite"] and result["norms"] == ["LlamaRMSNorm"] and result["modules"] == []
+
+
+@pytest.mark.slow
+def test_lora_with_gradient_checkpointing_matches_unpatched(tmp_path, corpus):
+    extra = ["--model", "tiny-qwen3", "--data", str(corpus), "--lora", "--gradient-checkpointing", *RUN_ARGS]
+    patched, _ = _finetune([sys.executable], tmp_path / "patched", extra)
+    unpatched, _ = _finetune([sys.executable], tmp_path / "unpatched", [*extra, "--no-patch"])
+    assert patched["num_processes"] == 1 and patched["lora"] and patched["gradient_checkpointing"]
+    assert patched["patch"]["norms"] > 0
+    _assert_same_losses(patched, unpatched)
+    # The adapter the script started from: the same seed gives the same LoRA initialisation.
+    initial = get_peft_model_state_dict(add_lora(build_preset("tiny-qwen3", seed=3), seed=3))
+    adapter = _assert_same_training(tmp_path / "patched", tmp_path / "unpatched", "adapter_model.safetensors", initial)
+    assert adapter and all("lora_" in name for name in adapter)
+    assert not (tmp_path / "patched" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_bf16_autocast_matches_unpatched_within_bf16_noise(tmp_path, corpus):
+    # Under autocast the kernels meet bf16 activations with fp32 weights and residuals, as under GPU bf16.
+    launcher = [*_accelerate(), "--cpu", "--num_processes", "1", "--mixed_precision", "bf16"]
+    extra = ["--model", "tiny-mistral", "--data", str(corpus), *RUN_ARGS]
+    patched, _ = _finetune(launcher, tmp_path / "patched", extra)
+    unpatched, _ = _finetune(launcher, tmp_path / "unpatched", [*extra, "--no-patch"])
+    assert patched["mixed_precision"] == "bf16" and patched["patch"]["norms"] > 0
+    _assert_same_losses(patched, unpatched, rtol=BF16_LOSS_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_norm_weight_gradients_match_unpatched(gradient_checkpointing):
+    batch = pack(ByteTokenizer(512).encode(_corpus_text()), seq_len=32)[:2]
+    grads = []
+    for patch in (True, False):
+        model = build_preset("tiny-qwen3", seed=1).train()
+        if patch:
+            patch_model(model)
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if n.endswith("norm.weight")})
+    patched, unpatched = grads
+    assert patched.keys() == unpatched.keys() and len(patched) == 2 * 4 + 1  # q/k norms per layer too
+    for name, grad in unpatched.items():
+        assert grad is not None and grad.abs().sum() > 0
+        torch.testing.assert_close(patched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
