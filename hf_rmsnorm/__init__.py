@@ -1,7 +1,14 @@
 """hf_rmsnorm: fused Triton RMSNorm + residual-add kernels for Hugging Face transformers models."""
 
 from .ops import fused_add_rms_norm, rms_norm
-from .patcher import PatchReport, UnsupportedModelError, patch_model, unpatch_model
+from .patcher import (
+    PatchReport,
+    UnconvertibleModelError,
+    UnsupportedModelError,
+    patch_model,
+    recentre,
+    unpatch_model,
+)
 
 __version__ = "0.1.0"
 
@@ -12,5 +19,7 @@ __all__ = [
     "unpatch_model",
     "PatchReport",
     "UnsupportedModelError",
+    "UnconvertibleModelError",
+    "recentre",
     "__version__",
 ]

@@ -39,7 +39,7 @@ def fused_class(base: type, kind: NormKind | LayerKind) -> type:
             "_hf_rmsnorm_kind": kind,
         }
         if isinstance(kind, NormKind):
-            namespace.update(forward=_norm_forward, _hf_rmsnorm_handoff=None)
+            namespace.update(forward=_norm_forward, _hf_rmsnorm_handoff=None, _hf_rmsnorm_stream=None)
         else:
             namespace.update(forward=_layer_forward, _hf_rmsnorm_next=None)
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
@@ -119,14 +119,19 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None):
     kind: NormKind = self._hf_rmsnorm_kind
     eps = getattr(self, kind.eps_attr)
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
+    mode = kind.mode
+    stream = self._hf_rmsnorm_stream
+    if stream is not None:
+        # A LayerNorm converted to RMSNorm (hf_rmsnorm.conversion): the mode depends on the call.
+        mode = stream.mode(self, (hidden_states, residual, self.weight, bias))
     if residual is not None:
-        return fused_add_rms_norm(hidden_states, residual, self.weight, eps, bias=bias, mode=kind.mode)
+        return fused_add_rms_norm(hidden_states, residual, self.weight, eps, bias=bias, mode=mode)
     handoff = self._hf_rmsnorm_handoff
     if handoff is not None and not torch.compiler.is_compiling():
         normed = handoff.take(hidden_states)
         if normed is not None:
             return normed
-    return rms_norm(hidden_states, self.weight, eps, bias=bias, mode=kind.mode)
+    return rms_norm(hidden_states, self.weight, eps, bias=bias, mode=mode)
 
 
 def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:

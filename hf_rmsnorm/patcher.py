@@ -13,16 +13,28 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from . import modules
-from .families import LayerKind, NormKind, StackKind, family_names, registry
+from . import conversion, modules
+from .families import LayerKind, NormKind, StackKind, registry
+from .families import family_names as rmsnorm_family_names
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
 _HANDOFF_ATTR = "_hf_rmsnorm_handoff"
 _NEXT_ATTR = "_hf_rmsnorm_next"
+_STREAM_ATTR = "_hf_rmsnorm_stream"
 
 
 class UnsupportedModelError(ValueError):
     """``patch_model`` found nothing it can patch exactly; the model was left untouched."""
+
+
+class UnconvertibleModelError(UnsupportedModelError):
+    """The model normalises with ``nn.LayerNorm`` but cannot be converted to RMSNorm exactly (a post-LN model
+    such as BERT or OPT-350m, or not a pre-LN decoder of a supported family); it was left untouched."""
+
+
+def family_names() -> str:
+    """The supported families, for error messages."""
+    return f"{rmsnorm_family_names()}; LayerNorm models (converted to RMSNorm): {conversion.family_names()}"
 
 
 @dataclass
@@ -35,12 +47,17 @@ class PatchReport:
         skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
             whose residual adds stay unfused.
         families: the model families whose norms were patched.
+        converted: the ``nn.LayerNorm`` modules converted to RMSNorm (also listed in ``norms``).
+        centred: what was centred for the conversion: each stack's input (at run time, where it enters the
+            first layer) and the weights (and biases) of every module writing into the residual stream.
     """
 
     norms: list[str] = field(default_factory=list)
     fused_adds: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
+    converted: list[str] = field(default_factory=list)
+    centred: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         families = f" ({', '.join(self.families)})" if self.families else ""
@@ -48,8 +65,12 @@ class PatchReport:
             f"hf_rmsnorm: {len(self.norms)} norms patched{families}, {len(self.fused_adds)} residual adds fused, "
             f"{len(self.skipped)} skipped"
         ]
+        if self.converted:
+            lines[0] += f"; {len(self.converted)} LayerNorms converted to RMSNorm"
         for title, items in (
             ("norms", self.norms),
+            ("LayerNorms converted to RMSNorm", self.converted),
+            ("centred (exact conversion)", self.centred),
             ("fused residual adds", self.fused_adds),
             ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
         ):
@@ -66,17 +87,19 @@ class _PatchState:
     report: PatchReport
     swapped: list[tuple[nn.Module, type]] = field(default_factory=list)
     added: list[tuple[nn.Module, str]] = field(default_factory=list)
+    conversion: conversion.Conversion | None = None
 
 
 @dataclass
 class _Plan:
     report: PatchReport
+    conversion: conversion.Conversion
     swaps: list[tuple[nn.Module, NormKind | LayerKind]] = field(default_factory=list)
     attrs: list[tuple[nn.Module, str, object]] = field(default_factory=list)
     already_patched: int = 0
 
 
-def patch_model(model: nn.Module) -> PatchReport:
+def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
     """Replace the norms of every supported family in ``model`` by the fused kernels, in place.
 
     Norms become modules whose ``forward`` calls ``rms_norm`` (and accepts ``residual=`` for a fused add);
@@ -85,27 +108,50 @@ def patch_model(model: nn.Module) -> PatchReport:
     (the last layer's into the final norm). Outputs, hidden states, hooks, parameters and state dicts stay
     what they were. Patching a patched model does nothing and returns the first report.
 
+    Pre-LN decoders normalised with ``nn.LayerNorm`` (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) are
+    converted exactly (``hf_rmsnorm.conversion``): the modules writing into the residual stream are centred
+    in place (fp64, stored in their dtype), the stream is centred where it enters the first layer, and each
+    LayerNorm runs the kernels with its weight, bias and eps. Logits stay the unpatched model's; the
+    intermediate hidden states differ from it by a per-token multiple of the all-ones vector. Their residual
+    adds are not fused.
+
     Args:
         model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
+        layernorm: ``"convert"`` (default) converts supported pre-LN LayerNorm models; ``"skip"`` leaves
+            every ``nn.LayerNorm`` alone (reported as skipped).
 
     Returns:
         A ``PatchReport`` of what was patched, fused and skipped.
 
     Raises:
         UnsupportedModelError: ``model`` is not a module or has no norm of a supported family. Nothing changed.
+        UnconvertibleModelError: (a subclass) its norms are LayerNorms that cannot be converted exactly, as in
+            post-LN models (BERT, OPT-350m). Nothing changed.
     """
+    if layernorm not in ("convert", "skip"):
+        raise ValueError(f"layernorm must be 'convert' or 'skip', got {layernorm!r}")
     root = _unwrap(model)
     state = root.__dict__.get(_STATE_ATTR)
     if state is not None:
         return state.report
-    plan = _plan(root)
+    plan = _plan(root, layernorm == "convert")
     if not plan.swaps and not plan.already_patched:
         found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
+        has_ln = any(isinstance(m, nn.LayerNorm) for m in root.modules())
+        if layernorm == "convert" and has_ln:
+            reasons = "; ".join(plan.conversion.refused) or (
+                "it is not a pre-LN decoder of a supported family; post-LN models (BERT and the like) "
+                "normalise residual sums and cannot be converted to RMSNorm exactly"
+            )
+            raise UnconvertibleModelError(
+                f"{type(model).__name__} normalises with nn.LayerNorm but cannot be converted exactly: "
+                f"{reasons}. patch_model supports {family_names()}"
+            )
         raise UnsupportedModelError(
             f"{type(model).__name__} has no norm of a supported family (norm-like classes found: "
             f"{', '.join(found) or 'none'}); patch_model supports {family_names()}"
         )
-    state = _PatchState(plan.report)
+    state = _PatchState(plan.report, conversion=plan.conversion)
     try:
         for module, kind in plan.swaps:
             state.swapped.append((module, type(module)))
@@ -113,9 +159,12 @@ def patch_model(model: nn.Module) -> PatchReport:
         for module, name, value in plan.attrs + [(root, _STATE_ATTR, state)]:
             state.added.append((module, name))
             _set_attr(module, name, value)
+        plan.conversion.apply()
     except BaseException:
+        plan.conversion.rollback()
         _restore(state)
         raise
+    plan.conversion.commit()
     return state.report
 
 
@@ -139,6 +188,25 @@ def unpatch_model(model: nn.Module) -> None:
                 f"{type(module).__module__}.{type(module).__qualname__} after patching; undo that wrapping first"
             )
     _restore(state)
+    # The centred weights stay: they give the same outputs in the unpatched model (conversion docstring).
+    state.conversion.remove_hooks()
+
+
+def recentre(model: nn.Module) -> None:
+    """Centres again the residual-stream writers of a model whose LayerNorms ``patch_model`` converted (after
+    training or loading weights into it), returning its inference to the pure RMSNorm kernels. Until then it
+    runs the exact LayerNorm mode of the same kernels; either way outputs are exact. Does nothing for a
+    model without converted LayerNorms.
+
+    Raises:
+        ValueError: ``model`` is not patched.
+    """
+    root = _unwrap(model)
+    state = root.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not patched")
+    for _, _, stream in state.conversion.stacks:
+        stream.recentre()
 
 
 def _restore(state: _PatchState) -> None:
@@ -193,13 +261,14 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _plan(root: nn.Module) -> _Plan:
-    """Decides every change before any is made: which norms and layers to swap, and which layers hand their
-    MLP residual sum to which norm."""
-    plan = _Plan(PatchReport())
+def _plan(root: nn.Module, convert: bool = True) -> _Plan:
+    """Decides every change before any is made: which norms and layers to swap, which layers hand their
+    MLP residual sum to which norm, and which LayerNorm stacks are converted."""
+    plan = _Plan(PatchReport(), conversion.plan_conversion(root, convert))
     norms, layer_candidates, stacks = _plan_norms(root, plan)
     layers = _plan_layers(layer_candidates, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
+    plan.report.centred = plan.conversion.centred
     return plan
 
 
@@ -210,13 +279,16 @@ def _plan_norms(root: nn.Module, plan: _Plan):
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, LayerKind]] = []
     stacks: list[tuple[nn.Module, StackKind]] = []
+    conv = plan.conversion
     for name, module in root.named_modules():
         cls = type(module)
         if modules.original_class(module) is not None:
             plan.already_patched += 1
             plan.report.skipped.append((name, "already patched by an earlier patch_model call on a submodule"))
-        elif cls in reg.norms:
-            family, kind = reg.norms[cls]
+        elif module in conv.skipped:
+            plan.report.skipped.append((name, conv.skipped[module]))
+        elif cls in reg.norms or module in conv.norms:
+            family, kind = conv.norms[module] if module in conv.norms else reg.norms[cls]
             problem = _class_problem(cls) or _norm_problem(module, kind) or _instance_problem(module)
             if problem:
                 plan.report.skipped.append((name, problem))
@@ -224,6 +296,9 @@ def _plan_norms(root: nn.Module, plan: _Plan):
             norms[module] = name
             plan.swaps.append((module, kind))
             plan.report.norms.append(name)
+            if module in conv.norms:
+                plan.attrs.append((module, _STREAM_ATTR, conv.stream_of[module]))
+                plan.report.converted.append(name)
             if family not in plan.report.families:
                 plan.report.families.append(family)
         elif _is_norm_like(module):

@@ -172,6 +172,9 @@ def render(report: dict) -> str:
         )
     lines += ["", f"Patch: {patch['norms']} norms replaced, {patch['fused_adds']} residual adds fused, "
               f"{patch['skipped']} skipped"]
+    if patch.get("layernorms_converted"):
+        lines.append(f"  {patch['layernorms_converted']} LayerNorms converted exactly to RMSNorm; centred: "
+                     f"{', '.join(patch['centred'])}")
     lines += [f"  skipped {name}: {reason}" for name, reason in patch["skipped_modules"]]
 
     positions = par["positions"]
@@ -330,6 +333,7 @@ def run(args: argparse.Namespace, device) -> dict:
         "patch": {
             "norms": len(patch.norms), "fused_adds": len(patch.fused_adds), "skipped": len(patch.skipped),
             "skipped_modules": [list(item) for item in patch.skipped],
+            "layernorms_converted": len(patch.converted), "centred": list(patch.centred),
         },
         "parity": result.to_dict(),
         "rule": parity.VERDICT_RULE,

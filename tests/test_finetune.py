@@ -21,7 +21,7 @@ import torch
 from accelerate.state import AcceleratorState
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import OPTConfig, OPTForCausalLM
 
 from hf_rmsnorm.finetune_data import (
     ByteTokenizer,
@@ -147,9 +147,11 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _gpt2_checkpoint(directory: Path) -> Path:
-    config = GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2)
-    GPT2LMHeadModel(config).save_pretrained(directory)
+def _post_ln_checkpoint(directory: Path) -> Path:
+    """An OPT-350m-shaped model (post-LN): its LayerNorms cannot be converted exactly, so it is refused."""
+    config = OPTConfig(vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                       max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False)
+    OPTForCausalLM(config).save_pretrained(directory)
     return directory
 
 
@@ -171,8 +173,8 @@ BAD_INPUTS = {
         "is a file",
     ),
     "unsupported model": (
-        lambda d, corpus: ["--data", str(corpus), "--model", str(_gpt2_checkpoint(d / "gpt2"))],
-        "GPT2",
+        lambda d, corpus: ["--data", str(corpus), "--model", str(_post_ln_checkpoint(d / "opt"))],
+        "post-LN",
     ),
     "model that does not exist": (
         lambda d, corpus: ["--data", str(corpus), "--model", str(d / "nomodel")],

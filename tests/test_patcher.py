@@ -277,10 +277,11 @@ def test_unsupported_objects_raise_and_are_left_untouched(obj):
 def test_an_unsupported_family_raises_and_is_left_untouched():
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    # GPT-2's LayerNorms are converted by default (tests/test_layernorm.py); with layernorm="skip" it has none.
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     before = _snapshot(model)
     with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel has no norm .*LayerNorm.*supports Llama"):
-        patch_model(model)
+        patch_model(model, layernorm="skip")
     _assert_same(model, before)
 
 
