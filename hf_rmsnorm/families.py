@@ -37,6 +37,8 @@ class LayerKind:
 
     ``forward_params`` is the original forward's parameter list; the patcher checks it at patch time, so a
     transformers release that changes the layer turns fusion off for it instead of running a stale body.
+    ``unsupported_if`` names instance attributes that, when present and truthy, mean the layer does more than
+    this body (GPT-2's cross-attention, GPT-NeoX's parallel residual): such a layer keeps its own forward.
     """
 
     class_path: str
@@ -50,6 +52,7 @@ class LayerKind:
     forward_params: tuple[str, ...] = (
         "hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings",
     )
+    unsupported_if: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,12 +104,38 @@ FAMILIES: tuple[Family, ...] = (
     _llama_shaped("Qwen2-MoE", "qwen2_moe", "Qwen2Moe"),
     _llama_shaped("Qwen3-MoE", "qwen3_moe", "Qwen3Moe"),
     _llama_shaped("Granite", "granite", "Granite", residual_scale="residual_multiplier"),
+    # Pre-LN LayerNorm decoders of the same shape: their norms come from the LayerNorm conversion
+    # (hf_rmsnorm.conversion), these entries only fuse their residual adds.
+    Family(
+        name="GPT-2",
+        norms=(),
+        layers=(LayerKind(
+            "transformers.models.gpt2.modeling_gpt2.GPT2Block", input_norm="ln_1", attention="attn",
+            post_attention_norm="ln_2", unsupported_if=("crossattention",),
+            forward_params=("hidden_states", "cache", "attention_mask", "encoder_hidden_states",
+                            "encoder_attention_mask", "use_cache"),
+        ),),
+        stacks=(StackKind("transformers.models.gpt2.modeling_gpt2.GPT2Model", layers="h", final_norm="ln_f"),),
+    ),
+    Family(
+        name="GPT-NeoX",
+        norms=(),
+        layers=(LayerKind(
+            "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", attention="attention",
+            attention_dropout="post_attention_dropout", mlp_dropout="post_mlp_dropout",
+            unsupported_if=("use_parallel_residual",),
+            forward_params=("hidden_states", "attention_mask", "position_ids", "use_cache", "layer_past",
+                            "position_embeddings"),
+        ),),
+        stacks=(StackKind("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXModel",
+                          final_norm="final_layer_norm"),),
+    ),
 )
 
 
 def family_names() -> str:
-    """The supported families, for error messages."""
-    return ", ".join(f.name for f in FAMILIES)
+    """The RMSNorm families, for error messages (the LayerNorm ones are listed by ``hf_rmsnorm.conversion``)."""
+    return ", ".join(f.name for f in FAMILIES if f.norms)
 
 
 def resolve_class(path: str) -> type | None:

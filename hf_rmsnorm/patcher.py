@@ -112,8 +112,9 @@ def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
     converted exactly (``hf_rmsnorm.conversion``): the modules writing into the residual stream are centred
     in place (fp64, stored in their dtype), the stream is centred where it enters the first layer, and each
     LayerNorm runs the kernels with its weight, bias and eps. Logits stay the unpatched model's; the
-    intermediate hidden states differ from it by a per-token multiple of the all-ones vector. Their residual
-    adds are not fused.
+    intermediate hidden states differ from it by a per-token multiple of the all-ones vector. The residual
+    adds of sequential blocks (GPT-2, GPT-NeoX with ``use_parallel_residual=False``) are fused as Llama's;
+    parallel blocks (NeoX's default, Phi, Falcon, GPT-J) and OPT keep their adds.
 
     Args:
         model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
@@ -424,6 +425,9 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
     for attr in (kind.attention, kind.mlp):
         if not isinstance(getattr(layer, attr, None), nn.Module):
             return f"it has no {attr} module"
+    for attr in kind.unsupported_if:
+        if getattr(layer, attr, None):
+            return f"its {attr} makes it more than a sequential pre-norm block"
     for attr in (kind.attention_dropout, kind.mlp_dropout):
         if attr is not None and not isinstance(getattr(layer, attr, None), nn.Dropout):
             return f"{attr} is not an nn.Dropout"

@@ -153,7 +153,7 @@ def _train(model, steps=4):
     return losses
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_sequential"])
 def test_training_matches_the_unpatched_model_then_inference_stays_exact(family, monkeypatch):
     # Dropout off: the exactness claim is about the maths, not about matching random masks.
     model = tiny(family, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else tiny(family)
@@ -255,3 +255,30 @@ def test_qk_layernorms_are_left_alone_and_report_reads_well():
                                            "3 LayerNorms converted to RMSNorm")
     assert "  centred (exact conversion):\n    model input (centred at run time)\n    model.layers.0.self_attn.dense" \
         in text
+
+
+# Residual adds fused per tiny model (2 layers): the sequential pre-LN blocks fit the generic layer body (the
+# attention add always, the MLP add in inference); parallel blocks and OPT's inline MLP keep their forward.
+FUSED_ADDS = {"gpt2": 4, "gpt_neox": 0, "gpt_neox_sequential": 4, "opt": 0, "phi": 0, "falcon": 0, "gptj": 0,
+              "stablelm": 0}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sequential_blocks_fuse_their_residual_adds(family):
+    model = tiny(family)
+    x = ids(seed=4)
+    truth = logits(model, x)
+    report = patch_model(model)
+    assert len(report.fused_adds) == FUSED_ADDS[family], report.fused_adds
+    if FUSED_ADDS[family]:
+        assert sum("(inference)" in line for line in report.fused_adds) == FUSED_ADDS[family] // 2
+    # Inference (the handoff between layers) and autograd (attention adds only, LayerNorm mode) both exact.
+    assert err(logits(model, x), truth) <= 1e-5 * truth.abs().max().item()
+    assert err(model(x).logits, truth) <= 1e-5 * truth.abs().max().item()
+
+
+def test_gpt2_with_cross_attention_keeps_its_block_forward():
+    model = tiny("gpt2", add_cross_attention=True)
+    report = patch_model(model)
+    assert report.fused_adds == []
+    assert "crossattention" in dict(report.skipped)["transformer.h.0"]
