@@ -16,6 +16,9 @@ at most ``GRAPH_MAX_ROWS`` rows replay a CUDA graph, so that host launch overhea
 CUDA graphs would see it. The backward is timed alone: the forward runs once, untimed, and each timed run is
 ``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True)``.
 
+Launch cost (the decode regime): an empty Triton kernel's launch against ``fused_add_rms_norm`` on 1-64 rows,
+as GPU time under a CUDA graph and as host time per eager call, with the goal "empty launch + 2 us".
+
 Without a GPU the script says so and exits 0. The full default sweep takes a long time, mostly torch.compile
 recompiling for every shape: restrict it with ``--rows``, ``--hidden``, ``--ops`` and ``--phases``. With ``--json``
 the file is rewritten after every shape, so a run cut short keeps what it measured.
@@ -331,6 +334,60 @@ def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], set
     return [r for name in impls for r in bench_impl(name, phases, inputs, settings)]
 
 
+# -------------------------------------------------------------------------------------------- launch cost
+
+# Decode-sized calls are launch-bound; the goal is "no slower than an empty Triton kernel's launch + 2 us".
+LAUNCH_ROWS = (1, 16, 64)
+LAUNCH_GOAL_SLACK_S = 2e-6
+HOST_CALLS = 2000
+
+
+def host_seconds_per_call(fn: Callable[[], Any], calls: int = HOST_CALLS) -> float:
+    """Host time per call of ``fn`` in a tight loop, synchronised once at the end: what a decode step pays
+    without CUDA graphs (Python, argument binding, the launch itself), given a GPU that keeps up."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
+    """Empty Triton kernel against ``fused_add_rms_norm`` forward on 1-64 rows: GPU time under a CUDA graph
+    (no flush: a decode step's activations are in L2) and host time per eager call."""
+    import triton
+
+    from hf_rmsnorm import fused_add_rms_norm
+
+    @triton.jit
+    def empty_kernel(ptr):
+        pass
+
+    def graph_seconds(fn: Callable[[], Any]) -> float:
+        return time_callable(as_cuda_graph(lambda: fn), clock=cuda_event_clock, flush=lambda: None,
+                             warmup=settings.warmup, repeats=settings.repeats)
+
+    def verdict(ours: float, empty: float) -> str:
+        return "ok" if ours <= empty + LAUNCH_GOAL_SLACK_S else "MISSED"
+
+    launch_empty = functools.partial(empty_kernel[(1,)], torch.empty(1, device=settings.device))
+    empty_graph, empty_host = graph_seconds(launch_empty), host_seconds_per_call(launch_empty)
+    lines = [f"launch cost, hidden {hidden}: empty Triton kernel {empty_graph * 1e6:.2f} us on the GPU (graph), "
+             f"{empty_host * 1e6:.2f} us on the host (eager); goal: + {LAUNCH_GOAL_SLACK_S * 1e6:.0f} us"]
+    weight = torch.ones(hidden, dtype=DTYPES[settings.dtype_name], device=settings.device)
+    for rows in LAUNCH_ROWS:
+        x, residual = (torch.randn(rows, hidden, dtype=weight.dtype, device=settings.device) for _ in range(2))
+        with torch.no_grad():
+            call = functools.partial(fused_add_rms_norm, x, residual, weight, EPS)
+            on_gpu, on_host = graph_seconds(call), host_seconds_per_call(call)
+        lines.append(f"  rows {rows:>3}: hf_rmsnorm fwd {on_gpu * 1e6:.2f} us GPU ({verdict(on_gpu, empty_graph)}), "
+                     f"{on_host * 1e6:.2f} us host ({verdict(on_host, empty_host)})")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------------- report
 
 
@@ -440,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     copy = measure_copy_gbps(device, cuda_event_clock, flush, args.warmup, args.repeats)
     print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy:.0f} GB/s")
     settings = Settings(device, args.dtype, args.warmup, args.repeats, copy, flush)
+    if "hf_rmsnorm" in args.ops and "fwd" in args.phases:
+        for hidden in args.hidden:
+            print("\n".join(launch_cost_lines(hidden, settings)), flush=True)
     impls = available_impls(args.ops)
     results = []
     for rows in args.rows:
