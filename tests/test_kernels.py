@@ -266,6 +266,40 @@ def test_every_output_is_written_and_idle_programs_write_their_partials(monkeypa
         assert _max_err(grads[3], torch.full_like(bias, n_rows)) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["llama", "layernorm"])
+def test_widest_supported_row(mode):
+    """Hidden 65536: the looped path (16 column blocks per pass) forward and backward, against fp64."""
+    n_cols = 65536
+    x = _randn(2, n_cols, dtype=torch.bfloat16, seed=61).requires_grad_()
+    r = _randn(2, n_cols, dtype=torch.bfloat16, seed=62).requires_grad_()
+    weight = _randn(n_cols, dtype=torch.float32, seed=63).requires_grad_()
+    bias = _randn(n_cols, dtype=torch.float32, seed=64).requires_grad_() if mode == "layernorm" else None
+    y, s = fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)
+    assert torch.equal(s, r + x)
+    s64 = s.double()
+    if mode == "layernorm":
+        s64 = s64 - s64.mean(-1, keepdim=True)
+    expected = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    expected = expected if bias is None else expected + bias.double()
+    # One rounding of the normalised row (bf16 in "llama" mode, the output in "layernorm" mode).
+    assert _max_err(y, expected) <= 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item()
+    dy = _randn(2, n_cols, dtype=y.dtype, seed=65)
+    inputs = (x, r, weight) if bias is None else (x, r, weight, bias)
+    ours = _grads(y, inputs, (dy,))
+    again = _grads(fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)[0], inputs, (dy,))
+    for a, b in zip(ours, again):
+        assert torch.equal(a, b) and not a.isnan().any()
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    s_exact = inputs64[1] + inputs64[0]
+    if mode == "layernorm":
+        y64 = torch.nn.functional.layer_norm(s_exact, (n_cols,), inputs64[2], inputs64[3], EPS)
+    else:
+        y64 = _fp64_reference(inputs64[0], inputs64[1], inputs64[2])
+    exact = _grads(y64, inputs64, (dy.double(),))
+    for g, g64 in zip(ours, exact):
+        assert _max_err(g, g64) <= 1e-2 * g64.abs().max().item()
+
+
 def test_weight_gradient_is_deterministic():
     x = _randn(37, 300, dtype=torch.bfloat16, seed=39).requires_grad_()
     weight = _randn(300, dtype=torch.bfloat16, seed=40).requires_grad_()
