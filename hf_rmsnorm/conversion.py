@@ -121,29 +121,37 @@ class _StreamState:
 
     writers: list[_Writer]
     centred: bool = False
-    fingerprint: tuple = ()
+    # What "unchanged since centred" compares, taken by recentre(): each writer's place, each writer parameter's
+    # place, and the sum of those parameters' version counters (counters only grow, so an equal sum means no
+    # parameter was modified in place).
+    _places: list[tuple[dict, str, object]] = field(default_factory=list)
+    _params: list[Tensor] = field(default_factory=list)
+    _version_sum: int = -1
 
-    def _current(self) -> tuple:
-        out = []
-        for w in self.writers:
-            # The writer still at its place (not wrapped by an adapter), with the same parameters, unchanged.
-            if w.parent._modules.get(w.attr) is not w.module:
-                return ()
-            for p in (w.module.weight, getattr(w.module, "bias", None)):
-                if p is not None:
-                    out.append((id(p), p._version))
-        return tuple(out)
+    def _unchanged(self) -> bool:
+        # Runs once per forward: flat lists and early exits keep it to a few microseconds for a 32-layer model.
+        return all(table.get(key) is value for table, key, value in self._places) and (
+            sum(p._version for p in self._params) == self._version_sum
+        )
 
     def recentre(self) -> None:
         with torch.no_grad():
             for w in self.writers:
                 centre_writer(w.module, w.out_dim)
-        self.fingerprint = self._current()
-        self.centred = bool(self.fingerprint)
+        self._places = [(w.parent._modules, w.attr, w.module) for w in self.writers]
+        self._params = []
+        for w in self.writers:
+            for name in ("weight", "bias"):
+                p = w.module._parameters.get(name)
+                if p is not None:
+                    self._places.append((w.module._parameters, name, p))
+                    self._params.append(p)
+        self._version_sum = sum(p._version for p in self._params)
+        self.centred = True
 
     def enter(self, layer: nn.Module, args: tuple, kwargs: dict):
         """Forward pre-hook of the first layer: centres the stream and checks the writers."""
-        if self.centred and self._current() != self.fingerprint:
+        if self.centred and not self._unchanged():
             self.centred = False
         if args:
             return (_centre(args[0]), *args[1:]), kwargs
