@@ -160,7 +160,7 @@ def load_model(
         raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     device = torch.device(device)
     if name_or_path in PRESETS:
-        return build_preset(name_or_path, dtype=dtype, seed=seed).to(device), None
+        return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None
     if looks_like_path(name_or_path):
         return _load_directory(name_or_path, dtype, device)
     return _load_hub(name_or_path, dtype, device)

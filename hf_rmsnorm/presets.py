@@ -74,19 +74,43 @@ def _tiny_phi3() -> PretrainedConfig:
     return Phi3Config(**_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
+# Full-size shapes for the GPU speed goals (random weights, HF's own initialisation): build them on the GPU.
+_LLAMA_3 = dict(
+    vocab_size=128256, num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001, pad_token_id=PAD_TOKEN_ID,
+)
+
+
+def _llama_3_2_1b_shape() -> PretrainedConfig:
+    """Llama-3.2-1B's shape: 16 layers of width 2048, tied embeddings (1.24B parameters)."""
+    return LlamaConfig(**_LLAMA_3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
+                       tie_word_embeddings=True)
+
+
+def _llama_3_8b_shape() -> PretrainedConfig:
+    """Llama-3-8B's shape: 32 layers of width 4096 (8.03B parameters)."""
+    return LlamaConfig(**_LLAMA_3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       tie_word_embeddings=False)
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-mistral": _tiny_mistral,
     "tiny-qwen2": _tiny_qwen2,
     "tiny-qwen3": _tiny_qwen3,
     "tiny-phi3": _tiny_phi3,
+    "llama-3.2-1b-shape": _llama_3_2_1b_shape,
+    "llama-3-8b-shape": _llama_3_8b_shape,
 }
 
 DEFAULT_PRESET = "tiny-llama"
 
 
-def build_preset(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
-    """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on CPU.
+def build_preset(
+    name: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
+) -> PreTrainedModel:
+    """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on ``device`` (the
+    full-size shapes are built where they will run: drawing 8B weights on a CPU takes minutes).
 
     The weights are drawn in fp32 and then cast, so a preset holds the same values (up to rounding) in every
     dtype.
@@ -97,14 +121,16 @@ def build_preset(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
     config = PRESETS[name]()
-    generator = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
     # from_config draws its initial weights from the global RNG; fork it so building a preset leaves the
     # caller's random state alone.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name_, param in model.named_parameters():
-            if name_.endswith("norm.weight"):
-                param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
+    if device.type != "meta":
+        with torch.no_grad():
+            for name_, param in model.named_parameters():
+                if name_.endswith("norm.weight"):
+                    param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
     return model.to(dtype).eval()
