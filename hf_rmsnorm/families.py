@@ -35,16 +35,28 @@ class LayerKind:
         residual = h; h = post_attention_norm(h); h = mlp(h)
         return residual + mlp_dropout(h) * residual_scale
 
+    or, with ``parallel`` (GPT-J, Phi, GPT-NeoX's parallel residual: both branches read the same ``h``)::
+
+        normed = input_norm(h); a, _ = attention(hidden_states=normed, **every other argument)
+        a = attention_dropout(a)
+        b = mlp_dropout(mlp(normed if post_attention_norm is None else post_attention_norm(h)))
+        return (a + b) + h
+
+    (the dropouts are called as the original does, also when inactive; ``residual_scale`` is sequential only).
+    ``attention_input`` is the keyword the normed states go to the attention by, None for positionally.
+
     ``forward_params`` is the original forward's parameter list; the patcher checks it at patch time, so a
     transformers release that changes the layer turns fusion off for it instead of running a stale body.
     ``unsupported_if`` names instance attributes that, when present and truthy, mean the layer does more than
     this body (GPT-2's cross-attention, GPT-NeoX's parallel residual): such a layer keeps its own forward.
+    ``requires`` names instance attributes that must be present and truthy (GPT-NeoX's parallel kind requires
+    ``use_parallel_residual``). A class may have several kinds; the patcher takes the first that fits.
     """
 
     class_path: str
     input_norm: str = "input_layernorm"
     attention: str = "self_attn"
-    post_attention_norm: str = "post_attention_layernorm"
+    post_attention_norm: str | None = "post_attention_layernorm"
     mlp: str = "mlp"
     attention_dropout: str | None = None
     mlp_dropout: str | None = None
@@ -53,6 +65,15 @@ class LayerKind:
         "hidden_states", "attention_mask", "position_ids", "cache", "use_cache", "position_embeddings",
     )
     unsupported_if: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    parallel: bool = False
+    attention_input: str | None = "hidden_states"
+
+    def __post_init__(self) -> None:
+        if self.parallel and self.residual_scale is not None:
+            raise ValueError("a parallel LayerKind has no residual_scale")
+        if not self.parallel and self.post_attention_norm is None:
+            raise ValueError("a sequential LayerKind needs its post_attention_norm")
 
 
 @dataclass(frozen=True)
@@ -120,15 +141,38 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="GPT-NeoX",
         norms=(),
-        layers=(LayerKind(
-            "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", attention="attention",
-            attention_dropout="post_attention_dropout", mlp_dropout="post_mlp_dropout",
-            unsupported_if=("use_parallel_residual",),
-            forward_params=("hidden_states", "attention_mask", "position_ids", "use_cache", "layer_past",
-                            "position_embeddings"),
-        ),),
+        # One layer class, two bodies: use_parallel_residual (the default) picks the parallel one.
+        layers=tuple(
+            LayerKind(
+                "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", attention="attention",
+                attention_input=None, attention_dropout="post_attention_dropout", mlp_dropout="post_mlp_dropout",
+                forward_params=("hidden_states", "attention_mask", "position_ids", "use_cache", "layer_past",
+                                "position_embeddings"),
+                **gate,
+            )
+            for gate in ({"unsupported_if": ("use_parallel_residual",)},
+                         {"parallel": True, "requires": ("use_parallel_residual",)})
+        ),
         stacks=(StackKind("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXModel",
                           final_norm="final_layer_norm"),),
+    ),
+    Family(
+        name="GPT-J",
+        norms=(),
+        layers=(LayerKind(
+            "transformers.models.gptj.modeling_gptj.GPTJBlock", input_norm="ln_1", attention="attn",
+            post_attention_norm=None, parallel=True,
+        ),),
+        stacks=(StackKind("transformers.models.gptj.modeling_gptj.GPTJModel", layers="h", final_norm="ln_f"),),
+    ),
+    Family(
+        name="Phi",
+        norms=(),
+        layers=(LayerKind(
+            "transformers.models.phi.modeling_phi.PhiDecoderLayer", post_attention_norm=None, parallel=True,
+            attention_dropout="resid_dropout", mlp_dropout="resid_dropout",
+        ),),
+        stacks=(StackKind("transformers.models.phi.modeling_phi.PhiModel", final_norm="final_layernorm"),),
     ),
 )
 
@@ -157,7 +201,7 @@ class Registry:
     """Exact class -> (family name, kind) for every class of every family this installation has."""
 
     norms: dict[type, tuple[str, NormKind]]
-    layers: dict[type, tuple[str, LayerKind]]
+    layers: dict[type, tuple[tuple[str, LayerKind], ...]]  # every kind of the class, in FAMILIES order
     stacks: dict[type, tuple[str, StackKind]]
 
 
@@ -168,6 +212,10 @@ def registry() -> Registry:
         for table, kinds in (("norms", family.norms), ("layers", family.layers), ("stacks", family.stacks)):
             for kind in kinds:
                 cls = resolve_class(kind.class_path)
-                if cls is not None:
+                if cls is None:
+                    continue
+                if table == "layers":
+                    tables[table][cls] = tables[table].get(cls, ()) + ((family.name, kind),)
+                else:
                     tables[table][cls] = (family.name, kind)
     return Registry(**tables)

@@ -41,7 +41,8 @@ def fused_class(base: type, kind: NormKind | LayerKind) -> type:
         if isinstance(kind, NormKind):
             namespace.update(forward=_norm_forward, _hf_rmsnorm_handoff=None, _hf_rmsnorm_stream=None)
         else:
-            namespace.update(forward=_layer_forward, _hf_rmsnorm_next=None)
+            forward = _parallel_layer_forward if kind.parallel else _layer_forward
+            namespace.update(forward=forward, _hf_rmsnorm_next=None)
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
     return cls
 
@@ -135,17 +136,10 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None):
 
 
 def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """The pre-norm decoder layer of ``LayerKind``, with the residual adds inside the norm kernels."""
+    """The sequential pre-norm decoder layer of ``LayerKind``, with the residual adds inside the norm kernels."""
     kind: LayerKind = self._hf_rmsnorm_kind
-    if args:
-        # Everything but the hidden states goes to the attention by name, as the original forward passes it.
-        names = kind.forward_params[1:]
-        if len(args) > len(names):
-            raise TypeError(f"{type(self).__name__}.forward takes at most {len(names) + 1} positional arguments")
-        kwargs.update(zip(names, args))
     residual = hidden_states
-    hidden_states = getattr(self, kind.input_norm)(hidden_states)
-    hidden_states, _ = getattr(self, kind.attention)(hidden_states=hidden_states, **kwargs)
+    hidden_states = _attend(self, kind, getattr(self, kind.input_norm)(hidden_states), args, kwargs)
 
     post_attention_norm = getattr(self, kind.post_attention_norm)
     if _dropout_active(self, kind.attention_dropout):
@@ -157,13 +151,54 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
 
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
-    hidden_states = _scaled(self, kind, hidden_states)
-    target: NextNorm | None = self._hf_rmsnorm_next
-    if target is not None and _may_hand_off(self, target, hidden_states):
-        normed, hidden_states = target.norm(hidden_states, residual=residual)
+    return _add_residual(self, _scaled(self, kind, hidden_states), residual)
+
+
+def _parallel_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The parallel pre-norm block of ``LayerKind`` (both branches read the same input): the original's calls
+    in the original's order (the dropouts draw random numbers), then ``(attention + mlp) + residual``, whose
+    add goes into the next norm's kernel in inference (the branch sum is computed first, as the original does;
+    NeoX's ``mlp + attention`` is the same IEEE sum)."""
+    kind: LayerKind = self._hf_rmsnorm_kind
+    residual = hidden_states
+    normed = getattr(self, kind.input_norm)(hidden_states)
+    attention = _dropped(self, kind.attention_dropout, _attend(self, kind, normed, args, kwargs))
+    if kind.post_attention_norm is not None:
+        normed = getattr(self, kind.post_attention_norm)(residual)
+    mlp = _dropped(self, kind.mlp_dropout, getattr(self, kind.mlp)(normed))
+    return _add_residual(self, attention + mlp, residual)
+
+
+def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    """The attention branch: every layer argument but the hidden states goes to the attention by name, as the
+    original forward passes it; the normed states by ``kind.attention_input`` (or positionally)."""
+    if args:
+        names = kind.forward_params[1:]
+        if len(args) > len(names):
+            raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
+        kwargs.update(zip(names, args))
+    attention = getattr(layer, kind.attention)
+    if kind.attention_input is None:
+        output, _ = attention(normed, **kwargs)
+    else:
+        output, _ = attention(**{kind.attention_input: normed}, **kwargs)
+    return output
+
+
+def _add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
+    """``residual + branch``, the layer's output; in inference, when allowed, from the next norm's kernel, which
+    also computes that norm of it and hands it over (module docstring)."""
+    target: NextNorm | None = layer._hf_rmsnorm_next
+    if target is not None and _may_hand_off(layer, target, branch):
+        normed, hidden_states = target.norm(branch, residual=residual)
         target.norm._hf_rmsnorm_handoff.put(hidden_states, normed)
         return hidden_states
-    return residual + hidden_states
+    return residual + branch
+
+
+def _dropped(layer: nn.Module, name: str | None, branch: Tensor) -> Tensor:
+    # Called whenever the original calls it (active or not), so the random stream is the original's.
+    return branch if name is None else getattr(layer, name)(branch)
 
 
 def _scaled(layer: nn.Module, kind: LayerKind, branch: Tensor) -> Tensor:

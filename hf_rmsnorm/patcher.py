@@ -114,7 +114,8 @@ def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
     LayerNorm runs the kernels with its weight, bias and eps. Logits stay the unpatched model's; the
     intermediate hidden states differ from it by a per-token multiple of the all-ones vector. The residual
     adds of sequential blocks (GPT-2, GPT-NeoX with ``use_parallel_residual=False``) are fused as Llama's;
-    parallel blocks (NeoX's default, Phi, Falcon, GPT-J) and OPT keep their adds.
+    the one add of parallel blocks (NeoX's default, Phi, GPT-J) is fused with the next norm in inference;
+    Falcon, StableLM and OPT keep their adds.
 
     Args:
         model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
@@ -278,7 +279,7 @@ def _plan_norms(root: nn.Module, plan: _Plan):
     patched norms (module -> name), the decoder layers and the layer stacks of known classes."""
     reg = registry()
     norms: dict[nn.Module, str] = {}
-    layer_candidates: list[tuple[str, nn.Module, LayerKind]] = []
+    layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[nn.Module, StackKind]] = []
     conv = plan.conversion
     for name, module in root.named_modules():
@@ -305,28 +306,35 @@ def _plan_norms(root: nn.Module, plan: _Plan):
         elif _is_norm_like(module):
             plan.report.skipped.append((name, f"{_class_path(cls)} is not a norm of a supported family"))
         elif cls in reg.layers:
-            layer_candidates.append((name, module, reg.layers[cls][1]))
+            layer_candidates.append((name, module, tuple(kind for _, kind in reg.layers[cls])))
         elif cls in reg.stacks:
             stacks.append((module, reg.stacks[cls][1]))
     return norms, layer_candidates, stacks
 
 
 def _plan_layers(
-    candidates: list[tuple[str, nn.Module, LayerKind]], norms: dict[nn.Module, str], plan: _Plan
+    candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]], norms: dict[nn.Module, str], plan: _Plan
 ) -> dict[nn.Module, tuple[str, LayerKind]]:
-    """Plans the swaps of the decoder layers whose structure matches their kind; returns them."""
+    """Plans the swaps of the decoder layers whose structure matches one of their kinds (the first that does);
+    returns them. A parallel block fuses nothing inside itself: its one add goes to the next norm (handoffs)."""
     layers: dict[nn.Module, tuple[str, LayerKind]] = {}
-    for name, layer, kind in candidates:
-        problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or _instance_problem(layer)
-        if problem:
-            plan.report.skipped.append((name, f"residual adds not fused: {problem}"))
+    for name, layer, kinds in candidates:
+        problems: dict[str, None] = {}
+        for kind in kinds:
+            problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or _instance_problem(layer)
+            if problem is None:
+                break
+            problems.setdefault(problem)
+        else:
+            plan.report.skipped.append((name, f"residual adds not fused: {'; '.join(problems)}"))
             continue
         layers[layer] = (name, kind)
         plan.swaps.append((layer, kind))
-        plan.report.fused_adds.append(
-            f"{name}: attention residual -> {norms[getattr(layer, kind.post_attention_norm)]}"
-            + _while_inactive(kind.attention_dropout)
-        )
+        if not kind.parallel:
+            plan.report.fused_adds.append(
+                f"{name}: attention residual -> {norms[getattr(layer, kind.post_attention_norm)]}"
+                + _while_inactive(kind.attention_dropout)
+            )
     return layers
 
 
@@ -344,6 +352,8 @@ def _plan_handoffs(
             plan.attrs.append((layer, _NEXT_ATTR, target))
             handoff_norms.setdefault(target.norm)
             plan.report.fused_adds.append(
+                # A parallel block's dropouts act on its branches before the add, so they never stop the fusion.
+                f"{name}: parallel residual -> {norms[target.norm]} (inference)" if layer_kind.parallel else
                 f"{name}: mlp residual -> {norms[target.norm]} (inference)" + _while_inactive(layer_kind.mlp_dropout)
             )
     plan.attrs.extend((norm, _HANDOFF_ATTR, modules.Handoff()) for norm in handoff_norms)
@@ -420,14 +430,18 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
     ) + 1:
         return f"forward({', '.join(str(p) for p in params)}) is not the signature this transformers family had"
     for attr in (kind.input_norm, kind.post_attention_norm):
-        if getattr(layer, attr, None) not in norms:
+        if attr is not None and getattr(layer, attr, None) not in norms:
             return f"{attr} is a {type(getattr(layer, attr, None)).__name__}, not a patched norm"
     for attr in (kind.attention, kind.mlp):
         if not isinstance(getattr(layer, attr, None), nn.Module):
             return f"it has no {attr} module"
+    body = "parallel" if kind.parallel else "sequential"
     for attr in kind.unsupported_if:
         if getattr(layer, attr, None):
-            return f"its {attr} makes it more than a sequential pre-norm block"
+            return f"its {attr} makes it more than a {body} pre-norm block"
+    for attr in kind.requires:
+        if not getattr(layer, attr, None):
+            return f"it is not a {body} pre-norm block without {attr}"
     for attr in (kind.attention_dropout, kind.mlp_dropout):
         if attr is not None and not isinstance(getattr(layer, attr, None), nn.Dropout):
             return f"{attr} is not an nn.Dropout"

@@ -308,8 +308,9 @@ def test_a_layer_of_unexpected_structure_keeps_patched_norms_without_fused_adds(
 
     model = tiny_model("llama", torch.bfloat16)
     full = registry()
-    changed = {cls: (family, dataclasses.replace(kind, forward_params=("hidden_states", "mask")))
-               for cls, (family, kind) in full.layers.items()}
+    changed = {cls: tuple((family, dataclasses.replace(kind, forward_params=("hidden_states", "mask")))
+                          for family, kind in kinds)
+               for cls, kinds in full.layers.items()}
     monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, changed, full.stacks))
     ids = input_ids()
     eager = _logits(model, ids)
