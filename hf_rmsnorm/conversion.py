@@ -6,7 +6,8 @@ writes into the stream is centred the stream stays zero-mean and each LayerNorm 
 
 * the attention output projection and the MLP down projection of every layer are centred in place, in fp64
   and stored back in their dtype (``nn.Linear``: ``W -= W.mean(0)``, GPT-2's ``Conv1D``: ``W -= W.mean(1)``,
-  ``b -= b.mean()``);
+  ``b -= b.mean()``), at the model's first inference forward (eval mode, no autograd), never while or after
+  it trains (see below);
 * the stream is centred where it enters the first layer (a forward pre-hook on that layer: one mean and one
   subtraction per forward). That covers the token, position and token-type embeddings, OPT's ``project_in``
   and ``inputs_embeds`` passed by the caller at once, and it leaves the embedding tables alone, so a table
@@ -19,12 +20,16 @@ Which kernel mode a converted norm runs (``_StreamState.mode``): the pure RMSNor
 inference on a stream known to be centred; the exact fused LayerNorm (``"layernorm"``, mean subtracted) when
 autograd records, when the module is in training mode, or when the writers changed since they were centred
 (an optimizer step, ``load_state_dict``, an adapter wrapped around a writer: every forward checks the writers'
-modules and parameter versions at the first layer). Training therefore runs the original model's maths on the
-centred weights: the gradients equal the unpatched model's (the LayerNorm backward already removes the mean
-component the centring removed), optimizer updates are the same, and the mean components that the updates
-add to the writers stay invisible to every LayerNorm, so the loss curve is the unpatched model's. After
-training, ``recentre(model)`` centres the writers again and returns inference to the RMSNorm path; until
-then it runs the (equally exact) LayerNorm mode.
+modules and parameter versions at the first layer).
+
+Training runs the original model's maths. The writers are not centred when a model trains before any
+inference, and a model that has been in training mode is never centred automatically: a residual dropout mask
+applied to a centred writer's output is not the mask applied to the original output plus a multiple of the
+all-ones vector, so centred writers would train a different model (GPT-2 at its default ``resid_pdrop=0.1``:
+logits 0.065 off). Without active dropout, centred writers also train exactly (the LayerNorm backward already
+removes the mean component the centring removed, and the mean components the updates add stay invisible to
+every LayerNorm). After training, ``recentre(model)`` centres the writers and returns inference to the
+RMSNorm path; until then inference runs the (equally exact) LayerNorm mode.
 
 Half-precision models are not centred: rounding the centred weights back to fp16/bf16 changes every writer
 weight by up to half an ulp, which measurably costs accuracy (tiny GPT-2: mean logit error 1.10x eager's in
@@ -131,6 +136,8 @@ class _StreamState:
     # LayerNorm mode, which costs the same memory traffic.
     half: bool = False
     centred: bool = False
+    # Set by the first forward in training mode: from then on only recentre() centres the writers.
+    trained: bool = False
     # What "unchanged since centred" compares, taken by recentre(): each writer's place, each writer parameter's
     # place, and the sum of those parameters' version counters (counters only grow, so an equal sum means no
     # parameter was modified in place).
@@ -160,9 +167,14 @@ class _StreamState:
         self.centred = True
 
     def enter(self, layer: nn.Module, args: tuple, kwargs: dict):
-        """Forward pre-hook of the first layer: checks the writers and centres a centred model's stream."""
+        """Forward pre-hook of the first layer: checks the writers, centres them at the first inference forward
+        of a model that never trained, and centres the stream of a centred model."""
+        if layer.training:
+            self.trained = True
         if self.centred and not self._unchanged():
             self.centred = False
+        if not (self.centred or self.half or self.trained or torch.is_grad_enabled()):
+            self.recentre()
         if not self.centred:
             return None  # the norms run the LayerNorm mode, which needs no centred stream
         if args:
@@ -233,42 +245,26 @@ class Conversion:
     refused: list[str] = field(default_factory=list)
     stacks: list[tuple[str, nn.Module, _StreamState]] = field(default_factory=list)
     stream_of: dict[nn.Module, _StreamState] = field(default_factory=dict)
-    _originals: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     @property
     def centred(self) -> list[str]:
-        """Report lines: the writers centred and where the stream is centred."""
+        """Report lines: where the stream is centred and the writers centred at the first inference forward."""
         lines = []
         for name, entrance, state in self.stacks:
             if state.half:
                 lines.append(f"{name or 'model'}: nothing (fp16/bf16 writers are left as they are; the norms run "
                              "the fused LayerNorm mode)")
                 continue
-            lines.append(f"{name or 'model'} input (centred at run time)")
+            lines.append(f"{name or 'model'} input (centred at run time); the writers below at the first "
+                         "inference forward, unless the model trains first")
             lines.extend(w.name for w in state.writers)
         return lines
 
     def apply(self) -> None:
-        """Centres the writers (keeping copies until ``commit``) and installs the entrance hooks."""
+        """Installs the entrance hooks (which centre the writers at the first inference forward)."""
         for _, entrance, state in self.stacks:
-            if not state.half:
-                for w in state.writers:
-                    for p in (w.module.weight, getattr(w.module, "bias", None)):
-                        if p is not None:
-                            self._originals.append((p, p.detach().clone()))
-                state.recentre()
             # Also on half-precision stacks: recentre() after a cast to fp32 must find the stream centred.
             entrance.register_forward_pre_hook(state.enter, with_kwargs=True)
-
-    def commit(self) -> None:
-        self._originals.clear()
-
-    def rollback(self) -> None:
-        with torch.no_grad():
-            for p, original in reversed(self._originals):
-                p.detach().copy_(original)
-        self._originals.clear()
-        self.remove_hooks()
 
     def remove_hooks(self) -> None:
         for _, entrance, state in self.stacks:

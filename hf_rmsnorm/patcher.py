@@ -110,7 +110,8 @@ def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
 
     Pre-LN decoders normalised with ``nn.LayerNorm`` (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) are
     converted exactly (``hf_rmsnorm.conversion``): the modules writing into the residual stream are centred
-    in place (fp64, stored in their dtype), the stream is centred where it enters the first layer, and each
+    in place (fp64, stored in their dtype) at the first inference forward of a model that has not trained,
+    the stream is centred where it enters the first layer, and each
     LayerNorm runs the kernels with its weight, bias and eps. Logits stay the unpatched model's; the
     intermediate hidden states differ from it by a per-token multiple of the all-ones vector. The residual
     adds of sequential blocks (GPT-2, GPT-NeoX with ``use_parallel_residual=False``) are fused as Llama's;
@@ -163,10 +164,9 @@ def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
             _set_attr(module, name, value)
         plan.conversion.apply()
     except BaseException:
-        plan.conversion.rollback()
+        plan.conversion.remove_hooks()
         _restore(state)
         raise
-    plan.conversion.commit()
     return state.report
 
 

@@ -123,6 +123,7 @@ def test_tied_embeddings_stay_tied_and_untouched():
     table = model.transformer.wte.weight.detach().clone()
     assert model.lm_head.weight is model.transformer.wte.weight
     report = patch_model(model)
+    logits(model, ids())  # the first inference forward centres the writers
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(model.transformer.wte.weight, table) and "lm_head" not in " ".join(report.centred)
     assert report.centred[1:] == [
@@ -258,8 +259,8 @@ def test_qk_layernorms_are_left_alone_and_report_reads_well():
     text = str(report)
     assert text.splitlines()[0].startswith("hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped; "
                                            "3 LayerNorms converted to RMSNorm")
-    assert "  centred (exact conversion):\n    model input (centred at run time)\n    model.layers.0.self_attn.dense" \
-        in text
+    assert ("  centred (exact conversion):\n    model input (centred at run time); the writers below at the first "
+            "inference forward, unless the model trains first\n    model.layers.0.self_attn.dense") in text
 
 
 # Residual adds fused per tiny model (2 layers): the sequential pre-LN blocks fit the generic layer body (the
@@ -319,3 +320,29 @@ def test_parallel_blocks_draw_dropout_masks_in_the_original_order(family):
     with torch.no_grad():
         torch.manual_seed(8)
         assert err(model(x).logits, expected) > 1e-3 * expected.abs().max().item()
+
+
+def test_training_with_residual_dropout_is_the_original_model():
+    """GPT-2's default dropouts (0.1) active: a model that trains before any inference keeps its writers as
+    they are, so every dropout mask falls on the original outputs; later inference is not centred either."""
+    model = tiny("gpt2")  # resid_pdrop = embd_pdrop = attn_pdrop = 0.1
+    reference = copy.deepcopy(model)
+    writer = model.transformer.h[0].mlp.c_proj.weight
+    patch_model(model)
+    x = ids(seed=5)
+    for m in (model, reference):
+        m.train()
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = model(x, labels=x).loss
+        torch.manual_seed(step)
+        expected = reference(x, labels=x).loss
+        assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+        before = writer.detach().clone()
+        with torch.no_grad():
+            for m in (model, reference):
+                m.eval()
+            assert err(logits(model, x), logits(reference, x)) <= 1e-5 * logits(reference, x).abs().max().item()
+            assert torch.equal(writer, before)  # not centred behind the training's back
+            for m in (model, reference):
+                m.train()
