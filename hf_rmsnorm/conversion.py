@@ -152,6 +152,11 @@ class _StreamState:
         )
 
     def recentre(self) -> None:
+        """Centres the writers, unless they are stored in fp16/bf16 (then they stay as they are)."""
+        self.half = any(w.module.weight.dtype in _HALF for w in self.writers)
+        if self.half:
+            self.centred = False
+            return
         with torch.no_grad():
             for w in self.writers:
                 centre_writer(w.module, w.out_dim)

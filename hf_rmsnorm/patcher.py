@@ -197,7 +197,9 @@ def unpatch_model(model: nn.Module) -> None:
 def recentre(model: nn.Module) -> None:
     """Centres again the residual-stream writers of a model whose LayerNorms ``patch_model`` converted (after
     training or loading weights into it), returning its inference to the pure RMSNorm kernels. Until then it
-    runs the exact LayerNorm mode of the same kernels; either way outputs are exact. Does nothing for a
+    runs the exact LayerNorm mode of the same kernels; either way outputs are exact. Call it once training is
+    done: with residual dropout active, training centred writers is not training the original model. Writers
+    stored in fp16/bf16 are left alone (centring would re-round them). Does nothing for a
     model without converted LayerNorms.
 
     Raises:

@@ -346,3 +346,14 @@ def test_training_with_residual_dropout_is_the_original_model():
             assert torch.equal(writer, before)  # not centred behind the training's back
             for m in (model, reference):
                 m.train()
+
+
+def test_recentre_leaves_half_precision_writers_alone():
+    model = tiny("gpt2", torch.bfloat16)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = ids(seed=6)
+    eager = logits(model, x)
+    patch_model(model)
+    recentre(model)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(logits(model, x), eager)
