@@ -13,7 +13,7 @@ import torch
 import triton
 
 from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
-from .reference import output_dtype, weight_offset
+from .reference import output_dtype, stats_shape, sum_dtype, weight_offset
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -97,11 +97,10 @@ def norm_forward(
     ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode."""
     shape = x.shape
     n_cols = shape[-1]
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = _new_rows(x, output_dtype(sum_dtype, weight, bias, mode))
-    new_residual = None if residual is None else _new_rows(x, sum_dtype)
-    center = mode == "layernorm"
-    stats = torch.empty((2, *shape[:-1]) if center else shape[:-1], dtype=torch.float32, device=x.device)
+    normed_dtype = sum_dtype(x, residual)
+    y = _new_rows(x, output_dtype(normed_dtype, weight, bias, mode))
+    new_residual = None if residual is None else _new_rows(x, normed_dtype)
+    stats = torch.empty(stats_shape(shape, mode), dtype=torch.float32, device=x.device)
     n_rows = y.numel() // n_cols if n_cols else 0
     if n_rows == 0:
         return y, new_residual, stats
@@ -117,7 +116,7 @@ def norm_forward(
             stride_x, stride_r, n_cols, n_cols,
             eps,
             HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=center,
+            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=mode == "layernorm",
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
             num_warps=num_warps,
         )

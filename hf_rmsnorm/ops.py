@@ -38,11 +38,10 @@ def _forward(x, residual, weight, bias, eps, mode):
 
 
 def _fake_forward(x, residual, weight, bias, mode):
-    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    y = x.new_empty(x.shape, dtype=reference.output_dtype(sum_dtype, weight, bias, mode))
-    stats_shape = (2, *x.shape[:-1]) if mode == "layernorm" else x.shape[:-1]
-    stats = x.new_empty(stats_shape, dtype=torch.float32)
-    return y, x.new_empty(x.shape, dtype=sum_dtype), stats
+    normed_dtype = reference.sum_dtype(x, residual)
+    y = x.new_empty(x.shape, dtype=reference.output_dtype(normed_dtype, weight, bias, mode))
+    stats = x.new_empty(reference.stats_shape(x.shape, mode), dtype=torch.float32)
+    return y, x.new_empty(x.shape, dtype=normed_dtype), stats
 
 
 def _rms_norm_impl(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:

@@ -29,6 +29,16 @@ def weight_offset(mode: str) -> float:
     return 1.0 if mode == "gemma" else 0.0
 
 
+def sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the norm's input: ``residual + x`` as torch promotes it, or ``x``'s."""
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def stats_shape(shape: torch.Size, mode: str) -> tuple[int, ...]:
+    """Shape of the per-row statistics the backward reads: ``rstd``, stacked with the means for LayerNorm."""
+    return (2, *shape[:-1]) if mode == "layernorm" else tuple(shape[:-1])
+
+
 def output_dtype(
     normed_dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None, mode: str
 ) -> torch.dtype:
