@@ -35,7 +35,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
@@ -490,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels.py needs a CUDA (or ROCm) GPU and none is available: nothing to time.")
         return 0
-    # Interpreted kernels would run on the host; the variable must be gone before hf_rmsnorm is imported.
-    os.environ.pop("TRITON_INTERPRET", None)
+    # Interpreted kernels would run on the host: set the backend up before hf_rmsnorm defines them.
+    from hf_rmsnorm.ops import backend
+
+    backend.configure("cuda")
     device = torch.device("cuda", torch.cuda.current_device())
     flush = l2_flusher(device)
     copy = measure_copy_gbps(device, cuda_event_clock, flush, args.warmup, args.repeats)

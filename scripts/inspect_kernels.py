@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
@@ -144,7 +143,7 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     Weights have the activations' dtype, as in a model loaded in that dtype."""
     import torch
 
-    from hf_rmsnorm import launch
+    from hf_rmsnorm.ops import launch
 
     def tensor() -> torch.Tensor:
         return torch.empty(rows, hidden, dtype=dtype, device="meta")
@@ -155,22 +154,22 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     residual = tensor() if "res" in variant or "dsum" in variant else None
     fwd, bwd = _LaunchRecorder(), _LaunchRecorder()
     with (
-        mock.patch.object(launch, "rms_norm_fwd_kernel", fwd),
-        mock.patch.object(launch, "rms_norm_bwd_kernel", bwd),
+        mock.patch.object(launch, "norm_fwd_kernel", fwd),
+        mock.patch.object(launch, "norm_bwd_kernel", bwd),
         mock.patch.object(launch, "_sm_count", lambda _index: sm_count),
     ):
         x = tensor()
         y, new_residual, stats = launch.norm_forward(x, residual, weight, bias, 1e-6, mode)
         if variant.startswith("bwd"):
-            normed_input = x if new_residual is None else new_residual
+            norm_input = x if new_residual is None else new_residual
             dsum = None if new_residual is None else torch.empty_like(new_residual)
-            launch.norm_backward(torch.empty_like(y), dsum, normed_input, stats, weight,
+            launch.norm_backward(torch.empty_like(y), dsum, norm_input, stats, weight,
                                  None if bias is None else bias.dtype, mode, x.dtype, None)
     if variant.startswith("fwd"):
         (args, kwargs), = fwd.calls
-        return launch.rms_norm_fwd_kernel, args, kwargs
+        return launch.norm_fwd_kernel, args, kwargs
     (args, kwargs), = bwd.calls
-    return launch.rms_norm_bwd_kernel, args, kwargs
+    return launch.norm_bwd_kernel, args, kwargs
 
 
 def compile_launch(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
@@ -238,7 +237,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, nargs="+", default=list(DEFAULT_HIDDEN))
     parser.add_argument("--dtype", choices=DTYPES, nargs="+", default=list(DTYPES))
     parser.add_argument("--variant", choices=VARIANTS, nargs="+", default=list(VARIANTS))
-    parser.add_argument("--mode", default="llama", help="casting order, as in hf_rmsnorm.reference.MODES")
+    parser.add_argument("--mode", default="llama", help="casting order, as in hf_rmsnorm.ops.modes.MODES")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="rows of the launch being specialised")
     parser.add_argument("--json", type=Path, help="write the records here")
     parser.add_argument("--strict", action="store_true",
@@ -260,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 1 ``--strict`` found a problem, 2 a variant failed to compile (or a bad
     ``--mode``), 3 tools missing."""
     args = parse_args(argv)
-    # Kernels defined under the interpreter cannot be compiled for a GPU; the variable has to be gone before
-    # hf_rmsnorm (imported lazily below, for that reason) defines them.
-    os.environ.pop("TRITON_INTERPRET", None)
-    from hf_rmsnorm.reference import MODES
+    # Kernels defined for the interpreter cannot be compiled for a GPU: set the backend up before they exist.
+    from hf_rmsnorm.ops import backend
+    from hf_rmsnorm.ops.modes import MODES
+
+    backend.configure("cuda")
 
     if args.mode not in MODES:
         print(f"unknown --mode {args.mode!r}: use one of {', '.join(MODES)}", file=sys.stderr)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import gc
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_rmsnorm import modules
+from hf_rmsnorm.patch import fused
 
 # The four families of the issue, tested in every dtype.
 MAIN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -83,7 +84,24 @@ def count_ops(model, ids, monkeypatch, *, grad: bool = False) -> collections.Cou
     counter = OpCounter()
     with monkeypatch.context() as patch, torch.set_grad_enabled(grad):
         for name in ("rms_norm", "fused_add_rms_norm"):
-            patch.setattr(modules, name, counter.count_kernels(getattr(modules, name)))
+            patch.setattr(fused, name, counter.count_kernels(getattr(fused, name)))
         with counter:
             model(ids)
     return counter.counts
+
+
+def reachable_modules(root: torch.nn.Module) -> set[int]:
+    """Ids of every module reachable from ``root`` through instance state and containers (not through classes,
+    functions or tensors): what ``copy.deepcopy(root)`` copies."""
+    seen, found, stack = set(), set(), [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (type, torch.Tensor)) or (
+            callable(obj) and not isinstance(obj, torch.nn.Module)
+        ):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            found.add(id(obj))
+        stack.extend(gc.get_referents(obj))
+    return found

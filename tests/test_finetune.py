@@ -21,9 +21,11 @@ import torch
 from accelerate.state import AcceleratorState
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import OPTConfig, OPTForCausalLM
+from transformers import BertConfig, BertLMHeadModel
 
-from hf_rmsnorm.finetune_data import (
+from hf_rmsnorm import patch_model
+from hf_rmsnorm.tools.finetune import add_lora, enable_gradient_checkpointing
+from hf_rmsnorm.tools.finetune_data import (
     ByteTokenizer,
     FinetuneInputError,
     corpus_files,
@@ -32,9 +34,7 @@ from hf_rmsnorm.finetune_data import (
     read_documents,
     tokenize,
 )
-from hf_rmsnorm.patcher import patch_model
-from hf_rmsnorm.presets import build_preset
-from hf_rmsnorm.training import add_lora, enable_gradient_checkpointing
+from hf_rmsnorm.tools.presets import build_preset
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "finetune.py"
@@ -71,7 +71,7 @@ def test_directory_corpus_is_its_txt_files_in_sorted_order(tmp_path):
 def test_default_corpus_is_the_project_itself():
     files = project_text_files()
     assert corpus_files(None) == files
-    assert ROOT / "hf_rmsnorm" / "finetune_data.py" in files
+    assert ROOT / "hf_rmsnorm" / "tools" / "finetune_data.py" in files
     assert sum(len(text) for text in read_documents(files)) > 10_000
 
 
@@ -147,11 +147,11 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _post_ln_checkpoint(directory: Path) -> Path:
-    """An OPT-350m-shaped model (post-LN): its LayerNorms cannot be converted exactly, so it is refused."""
-    config = OPTConfig(vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
-                       max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=False)
-    OPTForCausalLM(config).save_pretrained(directory)
+def _unsupported_checkpoint(directory: Path) -> Path:
+    """A BERT decoder: its LayerNorms are in no decoder family hf_rmsnorm knows, so patching it is refused."""
+    config = BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, is_decoder=True)
+    BertLMHeadModel(config).save_pretrained(directory)
     return directory
 
 
@@ -173,8 +173,8 @@ BAD_INPUTS = {
         "is a file",
     ),
     "unsupported model": (
-        lambda d, corpus: ["--data", str(corpus), "--model", str(_post_ln_checkpoint(d / "opt"))],
-        "post-LN",
+        lambda d, corpus: ["--data", str(corpus), "--model", str(_unsupported_checkpoint(d / "bert"))],
+        "has no norm of a supported family",
     ),
     "model that does not exist": (
         lambda d, corpus: ["--data", str(corpus), "--model", str(d / "nomodel")],

@@ -67,7 +67,7 @@ def test_global_access_widths_counts_loads_and_stores_apart():
 
 
 def test_parse_resource_usage_counts_stack_as_spill():
-    text = (" Function rms_norm_fwd_kernel:\n"
+    text = (" Function norm_fwd_kernel:\n"
             "  REG:64 STACK:1064 SHARED:1024 LOCAL:8 CONSTANT[0]:624 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
     assert inspect_kernels.parse_resource_usage(text) == {"registers": 64, "spill_bytes": 1072, "shared_bytes": 1024}
     with pytest.raises(ValueError):
@@ -94,7 +94,7 @@ def test_inspect_kernels_no_spills_and_128_bit_bf16_loads(tmp_path):
     assert {(r["variant"], r["hidden"], r["single_tile"]) for r in records} == {
         ("fwd+res", 4096, True), ("fwd+res", 65536, False), ("bwd+dsum", 4096, True), ("bwd+dsum", 65536, False)}
     for r in records:
-        assert r["kernel"] in ("rms_norm_fwd_kernel", "rms_norm_bwd_kernel")
+        assert r["kernel"] in ("norm_fwd_kernel", "norm_bwd_kernel")
         assert r["dtype"] == "bf16"
         assert r["spill_bytes"] == 0 and r["local_mem_ops"] == 0, r
         assert r["vector_bits"] == 128, r

@@ -9,11 +9,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm
-from hf_rmsnorm.launch import INTERPRET
+from hf_rmsnorm.ops.backend import kernels_interpreted
 
-pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="kernels need a GPU or TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(
+    not kernels_interpreted() and not torch.cuda.is_available(), reason="kernels need a GPU or Triton's interpreter"
+)
 
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+DEVICE = "cpu" if kernels_interpreted() else "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 WIDTHS = [1, 7, 127, 896, 4097, 20000]
 EPS = 1e-6

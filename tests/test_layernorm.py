@@ -1,19 +1,21 @@
-"""patch_model on pre-LN LayerNorm models: exact conversion to RMSNorm (hf_rmsnorm.conversion).
+"""patch_model on LayerNorm decoders: the exact fused LayerNorm (default) and the explicit conversion to RMSNorm.
 
-Kernels in Triton's interpreter. Logits are compared with the unpatched model and an fp64 copy of it; in
-bf16 the converted model must be no less accurate than eager, up to one ulp of the largest logit (centring
-rounds the writers' weights once more, an ulp-level change like the eager model's own rounding).
+Kernels in Triton's interpreter. Logits are compared with the unpatched model and an fp64 copy of it. The
+default path must stay exact whatever happens to the model afterwards (adapters, merges, weight edits, casts,
+training with dropout, compile); the conversion (``layernorm="rmsnorm"``) changes the weights once, when asked,
+and the report says which.
 """
 
 import copy
 
 import pytest
 import torch
+from patch_models import reachable_modules
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_rmsnorm import UnconvertibleModelError, UnsupportedModelError, patch_model, recentre, unpatch_model
-from hf_rmsnorm.conversion import _StreamState
+from hf_rmsnorm import UnconvertibleModelError, UnsupportedModelError, patch_model, unpatch_model
+from hf_rmsnorm.patch import conversion
 
 V = 128
 FAMILIES = {
@@ -35,8 +37,8 @@ FAMILIES = {
         dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128),
     ),
 }
-# Converted LayerNorms per tiny model: two layers of (norms per layer) plus the final norm.
-CONVERTED = {"gpt2": 5, "gpt_neox": 5, "gpt_neox_sequential": 5, "opt": 5, "phi": 3, "falcon": 3, "gptj": 3,
+# LayerNorms on the residual stream per tiny model: two layers of (norms per layer) plus the final norm.
+STREAM_NORMS = {"gpt2": 5, "gpt_neox": 5, "gpt_neox_sequential": 5, "opt": 5, "phi": 3, "falcon": 3, "gptj": 3,
              "stablelm": 5}
 
 
@@ -74,9 +76,17 @@ def layernorms(model):
     return [n for n, m in model.named_modules() if type(m) is nn.LayerNorm]
 
 
+def _assert_no_worse_than_eager(patched, eager, truth, dtype):
+    """Not less accurate than eager against fp64: up to one ulp of the largest logit, and a mean error within
+    5% of eager's (what scripts/verify.py judges, with 10%)."""
+    scale = truth.abs().max().item()
+    assert err(patched, truth) <= err(eager, truth) + torch.finfo(dtype).eps * scale
+    assert (patched.double() - truth).abs().mean() <= 1.05 * (eager.double() - truth).abs().mean()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_unpatched_and_fp64(family, dtype):
+def test_fused_layernorms_match_unpatched_and_fp64_and_touch_no_weight(family, dtype):
     model = tiny(family, dtype)
     x = ids()
     truth = logits(copy.deepcopy(model).double(), x)
@@ -86,71 +96,92 @@ def test_logits_match_unpatched_and_fp64(family, dtype):
 
     report = patch_model(model)
     patched = logits(model, x)
-    scale = truth.abs().max().item()
-    assert len(report.converted) == CONVERTED[family] and set(report.converted) <= set(lns)
+    assert len(report.norms) == STREAM_NORMS[family] and set(report.norms) <= set(lns)
+    assert not report.converted and not report.centred and not report.centred_inputs
+    assert not any(m._forward_pre_hooks for m in model.modules())
     assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     if dtype == torch.float32:
-        assert report.centred and "(centred at run time)" in report.centred[0]
-        assert err(patched, eager) <= 1e-4 * scale
-        assert err(patched, truth) <= 1e-5 * scale
-    else:
-        # Half precision: no weight is touched (centring would re-round them); the fused LayerNorm mode runs.
-        assert "nothing (fp16/bf16 writers" in report.centred[0]
-        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-        assert err(patched, truth) <= err(eager, truth) + torch.finfo(dtype).eps * scale
-        # The mean error is what scripts/verify.py judges (it allows 1.10x).
-        assert (patched.double() - truth).abs().mean() <= 1.05 * (eager.double() - truth).abs().mean()
+        assert err(patched, eager) <= 1e-5 * truth.abs().max().item()
+    _assert_no_worse_than_eager(patched, eager, truth, dtype)
 
     unpatch_model(model)
-    assert layernorms(model) == lns and list(model.state_dict()) == list(state)
-    # The centred weights give the same outputs in the original LayerNorm model.
-    tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
-    assert err(logits(model, x), truth) <= err(eager, truth) + tol * scale
+    assert layernorms(model) == lns
+    assert torch.equal(logits(model, x), eager)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_is_identical_in_fp32(family):
+def test_conversion_to_rmsnorm_is_exact_and_reports_every_changed_weight(family):
+    model = tiny(family)
+    x = ids()
+    truth = logits(copy.deepcopy(model).double(), x)
+    eager = logits(model, x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    report = patch_model(model, layernorm="rmsnorm")
+    changed = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, state[k]))
+    # Exactly the listed parameters changed, once, when patching; every writer of both layers is listed.
+    assert changed == sorted(report.centred) and len(report.centred) >= 4
+    assert len(report.converted) == STREAM_NORMS[family] and report.converted == report.norms
+    assert len(report.centred_inputs) == 1 and report.centred_inputs[0].endswith(".0")
+    scale = truth.abs().max().item()
+    assert err(logits(model, x), eager) <= 1e-4 * scale and err(logits(model, x), truth) <= 1e-5 * scale
+    centred = {k: v.clone() for k, v in model.state_dict().items()}
+    logits(model, x)
+    assert all(torch.equal(v, centred[k]) for k, v in model.state_dict().items())  # inference changes nothing
+
+    unpatch_model(model)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    # The centred weights give the same outputs in the original LayerNorm model.
+    assert err(logits(model, x), truth) <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_is_identical_in_fp32(family, layernorm):
     model = tiny(family)
     x = ids(batch=1, seq=5)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     expected = model.generate(x, **kwargs)
-    patch_model(model)
+    patch_model(model, layernorm=layernorm)
     assert torch.equal(model.generate(x, **kwargs), expected)
 
 
-def test_tied_embeddings_stay_tied_and_untouched():
+def test_conversion_leaves_tied_embeddings_tied_and_untouched():
     model = tiny("gpt2")
     table = model.transformer.wte.weight.detach().clone()
     assert model.lm_head.weight is model.transformer.wte.weight
-    report = patch_model(model)
-    logits(model, ids())  # the first inference forward centres the writers
+    report = patch_model(model, layernorm="rmsnorm")
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(model.transformer.wte.weight, table) and "lm_head" not in " ".join(report.centred)
-    assert report.centred[1:] == [
-        "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_proj", "transformer.h.1.attn.c_proj",
-        "transformer.h.1.mlp.c_proj",
+    assert report.centred_inputs == ["transformer.h.0"]
+    assert report.centred == [
+        f"transformer.h.{i}.{writer}.{p}" for i in range(2) for writer in ("attn.c_proj", "mlp.c_proj")
+        for p in ("weight", "bias")
     ]
     for layer in model.transformer.h:
         for writer in (layer.attn.c_proj, layer.mlp.c_proj):  # Conv1D: weight [in, out]
             assert writer.weight.double().mean(1).abs().max() < 1e-6 and abs(writer.bias.double().mean()) < 1e-6
 
 
-def test_inputs_embeds_from_outside_are_exact():
+@pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
+def test_inputs_embeds_from_outside_are_exact(layernorm):
     model = tiny("phi")
     x = ids()
     embeds = torch.randn(2, 8, 64) + 0.5  # not centred, not from the model's table
     expected = logits(model, None, inputs_embeds=embeds)
-    patch_model(model)
+    patch_model(model, layernorm=layernorm)
     assert err(logits(model, None, inputs_embeds=embeds), expected) <= 1e-5 * expected.abs().max().item()
     assert err(logits(model, x), logits(model, None, inputs_embeds=model.get_input_embeddings()(x))) == 0
 
 
-def _train(model, steps=4):
-    torch.manual_seed(0)
+def _train(model, steps=4, seed=0):
+    torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = []
     for step in range(steps):
         x = ids(seed=10 + step)
+        torch.manual_seed(100 + step)  # the same dropout masks for both models
         loss = model(x, labels=x).loss
         loss.backward()
         opt.step()
@@ -159,39 +190,121 @@ def _train(model, steps=4):
     return losses
 
 
+def _assert_same_losses(got, expected):
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) < 1e-5, (got, expected)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_sequential"])
-def test_training_matches_the_unpatched_model_then_inference_stays_exact(family, monkeypatch):
+def test_training_matches_the_unpatched_model_then_inference_and_conversion_stay_exact(family):
     # Dropout off: the exactness claim is about the maths, not about matching random masks.
     model = tiny(family, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if family == "gpt2" else tiny(family)
     reference = copy.deepcopy(model)
     patch_model(model)
-    expected = _train(reference.train())
-    got = _train(model.train())
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, expected)) < 1e-5, (got, expected)
+    _assert_same_losses(_train(model.train()), _train(reference.train()))
 
     model.eval(), reference.eval()
-    modes = []
-    original_mode = _StreamState.mode
-    monkeypatch.setattr(_StreamState, "mode", lambda self, *a: modes.append(original_mode(self, *a)) or modes[-1])
     x = ids(seed=3)
     truth = logits(reference, x)
-    # The optimizer moved the writers off centre: inference falls back to the exact LayerNorm mode ...
     assert err(logits(model, x), truth) <= 1e-4 * truth.abs().max().item()
-    assert set(modes) == {"layernorm"}
-    # ... until recentre() centres them again.
-    modes.clear()
-    recentre(model)
+    # Once training is done, the trained model converts exactly.
+    unpatch_model(model)
+    report = patch_model(model, layernorm="rmsnorm")
+    assert report.converted and all(type(model.get_submodule(n))._hf_rmsnorm_kind.mode == "fp32_affine"
+                                    for n in report.converted)
     assert err(logits(model, x), truth) <= 1e-4 * truth.abs().max().item()
-    assert set(modes) == {"fp32_affine"}
 
 
-def test_loading_weights_falls_back_to_the_layernorm_mode():
-    model = tiny("opt")
-    original = copy.deepcopy(model)
+def test_eval_then_train_with_gpt2_default_dropout_is_the_unpatched_model():
+    """GPT-2's default dropouts (0.1) active, after an inference forward: per-step losses equal the unpatched
+    model's, and the writers are never changed behind the user's back."""
+    model = tiny("gpt2")  # resid_pdrop = embd_pdrop = attn_pdrop = 0.1
+    reference = copy.deepcopy(model)
+    writer = model.transformer.h[0].mlp.c_proj.weight
+    before = writer.detach().clone()
     patch_model(model)
-    model.load_state_dict(original.state_dict())  # uncentred writers again
+    x = ids(seed=5)
+    assert err(logits(model, x), logits(reference, x)) <= 1e-5 * logits(reference, x).abs().max().item()
+    assert torch.equal(writer, before)
+    _assert_same_losses(_train(model.train(), steps=3), _train(reference.train(), steps=3))
+
+
+def _lora(model, seed=3):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["dense_4h_to_h"], init_lora_weights=False))
+
+
+@pytest.mark.parametrize("lora_after_first_inference", [False, True])
+def test_lora_on_a_residual_writer_stays_exact(lora_after_first_inference):
+    base = tiny("gpt_neox")
+    x = ids(seed=6)
+    expected_model = _lora(copy.deepcopy(base))
+    expected = logits(expected_model, x)
+    model = copy.deepcopy(base)
+    patch_model(model)
+    if lora_after_first_inference:
+        logits(model, x)
+    model = _lora(model)
+    scale = expected.abs().max().item()
+    assert err(logits(model, x), expected) <= 1e-5 * scale
+    assert err(logits(model, x), expected) <= 1e-5 * scale  # a second forward changes nothing either
+    # Merging the adapter into the writers after inference: still the unpatched model's merge.
+    merged = model.merge_and_unload()
+    assert err(logits(merged, x), logits(expected_model.merge_and_unload(), x)) <= 1e-5 * scale
+
+
+def test_weight_edits_and_casts_after_patching_stay_exact():
+    model = tiny("gpt_neox")
+    reference = copy.deepcopy(model)
+    x = ids(seed=7)
+    patch_model(model)
+    logits(model, x)
+    # A .data update of a writer (EMA, vector_to_parameters), then a whole-model parameter load.
+    for m in (model, reference):
+        m.gpt_neox.layers[0].mlp.dense_4h_to_h.weight.data.add_(0.05)
+        torch.nn.utils.vector_to_parameters(torch.nn.utils.parameters_to_vector(m.parameters()) * 1.01,
+                                            m.parameters())
+    truth = logits(reference, x)
+    assert err(logits(model, x), truth) <= 1e-5 * truth.abs().max().item()
+    # A cast after patching: as accurate as the unpatched model in that dtype.
+    fp64 = logits(copy.deepcopy(reference).double(), x)
+    model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    _assert_no_worse_than_eager(logits(model, x), logits(reference, x), fp64, torch.bfloat16)
+
+
+def test_loading_weights_stays_exact():
+    model = tiny("opt")
+    original = tiny("opt", seed=1)
+    patch_model(model)
+    model.load_state_dict(original.state_dict())
     x = ids()
     assert err(logits(model, x), logits(original, x)) <= 1e-5 * logits(original, x).abs().max().item()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox"])
+def test_torch_compile_fullgraph_of_a_layernorm_model(family):
+    model = tiny(family)
+    x = ids()
+    expected = logits(model, x)
+    patch_model(model)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        assert err(compiled(x).logits, expected) <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
+def test_copying_one_norm_or_one_layer_copies_that_subtree_only(layernorm):
+    model = tiny("gpt_neox")
+    x = torch.randn(2, 5, 64)
+    patch_model(model, layernorm=layernorm)
+    layer = model.gpt_neox.layers[0]
+    for original in (layer.input_layernorm, layer):
+        copied = copy.deepcopy(original)
+        assert reachable_modules(copied) == {id(m) for m in copied.modules()}
+    norm = copy.deepcopy(layer.input_layernorm)
+    expected = layer.input_layernorm(x)
+    assert torch.equal(norm(x), expected)
 
 
 def _snapshot(model):
@@ -212,17 +325,33 @@ def test_bert_is_refused_and_left_untouched():
     model = BertLMHeadModel(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=64, is_decoder=True))
     before = _snapshot(model)
-    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*post-LN.*GPT-2") as error:
+    with pytest.raises(UnsupportedModelError, match=r"BertLMHeadModel .*LayerNorm.*post-LN.*GPT-2") as error:
         patch_model(model)
-    assert isinstance(error.value, UnsupportedModelError) and isinstance(error.value, ValueError)
+    assert not isinstance(error.value, UnconvertibleModelError) and isinstance(error.value, ValueError)
+    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*post-LN.*GPT-2"):
+        patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
 
 
-def test_post_ln_opt_is_refused_and_left_untouched():
+def test_post_ln_opt_runs_fused_layernorms_but_is_not_converted():
     model = tiny("opt", do_layer_norm_before=False)
     before = _snapshot(model)
     with pytest.raises(UnconvertibleModelError, match=r"post-LN \(do_layer_norm_before=False"):
-        patch_model(model)
+        patch_model(model, layernorm="rmsnorm")
+    _assert_untouched(model, before)
+    # The exact fused LayerNorm needs no pre-LN structure.
+    x = ids()
+    expected = logits(model, x)
+    assert len(patch_model(model).norms) == 4
+    assert err(logits(model, x), expected) <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_conversion_refuses_half_precision_writers(dtype):
+    model = tiny("gpt2", dtype)
+    before = _snapshot(model)
+    with pytest.raises(UnconvertibleModelError, match=r"stored in (b)?float16.*load the model in float32"):
+        patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
 
 
@@ -233,20 +362,27 @@ def test_layernorm_skip_leaves_layernorms_alone():
         patch_model(model, layernorm="skip")
     assert not isinstance(error.value, UnconvertibleModelError)
     _assert_untouched(model, before)
-    with pytest.raises(ValueError, match="layernorm must be"):
-        patch_model(model, layernorm="yes")
+    with pytest.raises(ValueError, match="layernorm must be one of 'fuse', 'rmsnorm', 'skip'"):
+        patch_model(model, layernorm="convert")
 
 
-def test_a_failure_midway_restores_weights_classes_and_hooks(monkeypatch):
+@pytest.mark.parametrize("failing", ["hook", "centring"])
+def test_a_failure_midway_restores_weights_classes_and_hooks(failing, monkeypatch):
     model = tiny("gpt_neox")
     before = _snapshot(model)
+    calls = []
 
     def fail(*args, **kwargs):
-        raise RuntimeError("boom")
+        calls.append(1)
+        if failing == "hook" or len(calls) == 3:
+            raise RuntimeError("boom")
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(nn.Module, "register_forward_pre_hook", fail)
+    target = (nn.Module, "register_forward_pre_hook") if failing == "hook" else (conversion, "_writer_means")
+    original = getattr(*target)
+    monkeypatch.setattr(*target, fail)
     with pytest.raises(RuntimeError, match="boom"):
-        patch_model(model)
+        patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
 
 
@@ -256,11 +392,15 @@ def test_qk_layernorms_are_left_alone_and_report_reads_well():
     skipped = dict(report.skipped)
     assert type(model.model.layers[0].self_attn.q_layernorm) is nn.LayerNorm
     assert "does not read the residual stream" in skipped["model.layers.0.self_attn.q_layernorm"]
-    text = str(report)
-    assert text.splitlines()[0].startswith("hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped; "
-                                           "3 LayerNorms converted to RMSNorm")
-    assert ("  centred (exact conversion):\n    model input (centred at run time); the writers below at the first "
-            "inference forward, unless the model trains first\n    model.layers.0.self_attn.dense") in text
+    assert str(report).splitlines()[0] == "hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped"
+    unpatch_model(model)
+    text = str(patch_model(model, layernorm="rmsnorm"))
+    assert text.splitlines()[0] == ("hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped; "
+                                    "3 LayerNorms converted to RMSNorm")
+    assert ("  parameters centred (once, by the conversion):\n    model.layers.0.self_attn.dense.weight\n"
+            "    model.layers.0.self_attn.dense.bias\n") in text
+    assert "  inputs centred on every forward (by the conversion):\n    model.layers.0\n" in text
+
 
 
 # Residual adds fused per tiny model (2 layers): the sequential pre-LN blocks fit the generic layer body (the
@@ -304,9 +444,6 @@ def test_parallel_blocks_draw_dropout_masks_in_the_original_order(family):
     reference = copy.deepcopy(model)
     report = patch_model(model)
     assert len(report.fused_adds) == 2
-    # Uncentred writers again, so the norms run the exact LayerNorm mode: a dropout mask uncentres a centred
-    # writer's output, which the pure RMSNorm mode of the conversion does not account for.
-    model.load_state_dict(reference.state_dict())
     x = ids(seed=5)
     reference.train(), model.train()
     for grad in (False, True):  # no_grad: the handoff runs with the dropouts active; then autograd
@@ -323,8 +460,8 @@ def test_parallel_blocks_draw_dropout_masks_in_the_original_order(family):
 
 
 def test_training_with_residual_dropout_is_the_original_model():
-    """GPT-2's default dropouts (0.1) active: a model that trains before any inference keeps its writers as
-    they are, so every dropout mask falls on the original outputs; later inference is not centred either."""
+    """GPT-2's default dropouts (0.1) active, alternating training and inference forwards: the losses and the
+    logits are the unpatched model's, and the writers never change."""
     model = tiny("gpt2")  # resid_pdrop = embd_pdrop = attn_pdrop = 0.1
     reference = copy.deepcopy(model)
     writer = model.transformer.h[0].mlp.c_proj.weight
@@ -343,17 +480,6 @@ def test_training_with_residual_dropout_is_the_original_model():
             for m in (model, reference):
                 m.eval()
             assert err(logits(model, x), logits(reference, x)) <= 1e-5 * logits(reference, x).abs().max().item()
-            assert torch.equal(writer, before)  # not centred behind the training's back
+            assert torch.equal(writer, before)
             for m in (model, reference):
                 m.train()
-
-
-def test_recentre_leaves_half_precision_writers_alone():
-    model = tiny("gpt2", torch.bfloat16)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    x = ids(seed=6)
-    eager = logits(model, x)
-    patch_model(model)
-    recentre(model)
-    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    assert torch.equal(logits(model, x), eager)

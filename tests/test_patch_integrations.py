@@ -1,12 +1,15 @@
 """patch_model with what else touches a model: checkpointing, hidden-state recorders, hooks, caches,
 accelerate, PEFT, serialisation, and Phi3's residual dropouts."""
 
+import copy
+
 import pytest
 import torch
-from patch_models import clone, count_ops, input_ids, tiny_model
+from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model
 
-from hf_rmsnorm import patch_model, patcher, unpatch_model
-from hf_rmsnorm.families import Registry, registry
+from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm.patch import patcher
+from hf_rmsnorm.patch.families import Registry, registry
 
 
 def _norms_only(model, monkeypatch):
@@ -264,7 +267,7 @@ def test_copies_and_pickles_stay_patched(tmp_path):
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     for copy_ in (clone(model), loaded):
         assert type(copy_.model.norm) is type(model.model.norm)
-        assert copy_.model.layers[0]._hf_rmsnorm_next.norm is copy_.model.layers[1].input_layernorm
+        assert copy_.model._hf_rmsnorm_links[copy_.model.layers[0]].norm is copy_.model.layers[1].input_layernorm
         assert patch_model(copy_).norms == report.norms
         with torch.no_grad():
             assert torch.equal(copy_(ids).logits, expected)
@@ -280,3 +283,74 @@ def test_torch_compile_traces_a_patched_model_without_graph_breaks():
         expected = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         assert torch.equal(compiled(ids).logits, expected)
+
+
+def _steered_forward(self, input_ids, **kwargs):
+    """A stack forward of the kind steering and early-exit code writes: its own layer loop, editing the hidden
+    state in place between layers."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    hidden = self.embed_tokens(input_ids)
+    position_ids = torch.arange(input_ids.shape[1])[None]
+    cos_sin = self.rotary_emb(hidden, position_ids)
+    for layer in self.layers:
+        hidden = layer(hidden, position_ids=position_ids, position_embeddings=cos_sin)
+        hidden.mul_(1.5)
+    return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden))
+
+
+@pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
+def test_a_custom_layer_loop_editing_in_place_gets_exact_outputs(grad_mode, monkeypatch):
+    """Under inference_mode tensors have no version counter: only running outside the stack's own forward
+    keeps the next norm from returning a value computed before the edit."""
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    model = tiny_model("llama", torch.bfloat16)
+    ids = input_ids()
+    unfused, patched = _norms_only(model, monkeypatch), _patched(model)
+    outputs = []
+    for m in (model, unfused, patched):
+        with grad_mode():
+            outputs.append(m.lm_head(_steered_forward(m.model, ids).last_hidden_state))
+    eager, expected, actual = outputs
+    assert torch.equal(actual, expected)
+    torch.testing.assert_close(actual, eager, rtol=0, atol=2 ** -6 * eager.abs().max().item())
+    assert isinstance(patched.model, LlamaModel)
+
+
+@pytest.mark.parametrize("replaced", ["before_patching", "after_patching"])
+def test_a_stack_whose_forward_was_replaced_keeps_its_adds_unfused(replaced, monkeypatch):
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    model = tiny_model("llama", torch.bfloat16)
+    ids = input_ids()
+    unfused = _norms_only(model, monkeypatch)
+    if replaced == "before_patching":
+        monkeypatch.setattr(LlamaModel, "forward", _steered_forward)
+        report = patch_model(model)
+        assert "residual adds across layers not fused: LlamaModel.forward was replaced" in dict(report.skipped)[
+            "model"]
+        assert len(report.fused_adds) == 2  # the attention adds, inside each layer
+    else:
+        patch_model(model)
+        monkeypatch.setattr(LlamaModel, "forward", _steered_forward)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, unfused(ids).logits)
+    monkeypatch.undo()
+    with torch.inference_mode():  # the stack's own forward again
+        assert torch.equal(model(ids).logits, unfused(ids).logits)
+
+
+def test_copying_one_layer_copies_that_layer_only():
+    model = tiny_model("llama", torch.bfloat16)
+    ids = input_ids()
+    patch_model(model)
+    layer = model.model.layers[0]
+    copied = copy.deepcopy(layer)
+    # No path through instance state leads from the copy to a module it does not own (the stack, the next layer).
+    assert reachable_modules(copied) == {id(m) for m in copied.modules()}
+    hidden = model.model.embed_tokens(ids)
+    position_ids = torch.arange(ids.shape[1])[None]
+    cos_sin = model.model.rotary_emb(hidden, position_ids)
+    with torch.inference_mode():
+        assert torch.equal(copied(hidden, position_embeddings=cos_sin), layer(hidden, position_embeddings=cos_sin))

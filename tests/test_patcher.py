@@ -10,8 +10,9 @@ import pytest
 import torch
 from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model
 
-from hf_rmsnorm import UnsupportedModelError, patch_model, patcher, unpatch_model
-from hf_rmsnorm.families import Registry, registry
+from hf_rmsnorm import UnsupportedModelError, patch_model, unpatch_model
+from hf_rmsnorm.patch import patcher
+from hf_rmsnorm.patch.families import Registry, registry
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Largest difference from the eager model, relative to the largest |value|: two ulps of the dtype, a bit more
@@ -206,14 +207,14 @@ def test_a_model_whose_submodule_was_patched_is_left_as_is():
     model = tiny_model("llama")
     inner = patch_model(model.model)
     report = patch_model(model)
-    assert not report.norms and len(report.skipped) == len(inner.norms) + 2  # + the two layers
+    assert not report.norms and len(report.skipped) == len(inner.norms) + 3  # + the two layers and their stack
     assert all("already patched" in reason for _, reason in report.skipped)
 
 
 @pytest.mark.parametrize("where, failing_call", [("fused_class", 6), ("_set_attr", 2)])
 def test_a_failure_midway_restores_everything(where, failing_call, monkeypatch):
     """Fails at the first layer's class swap (after the five norms') or at the second added attribute."""
-    module = {"fused_class": patcher.modules, "_set_attr": patcher}[where]
+    module = {"fused_class": patcher.fused, "_set_attr": patcher}[where]
     model = tiny_model("llama")
     before = _snapshot(model)
     original = getattr(module, where)
@@ -232,29 +233,33 @@ def test_a_failure_midway_restores_everything(where, failing_call, monkeypatch):
 
 
 def test_handoff_returns_only_for_the_same_unmodified_tensor():
-    from hf_rmsnorm.modules import Handoff
+    from hf_rmsnorm.patch import handoff
 
-    handoff, source, normed = Handoff(), torch.ones(2, 4), torch.zeros(2, 4)
+    norm, source, normed = torch.nn.Identity(), torch.ones(2, 4), torch.zeros(2, 4)
     with torch.no_grad():
-        handoff.put(source, normed)
-        assert handoff.take(torch.ones(2, 4)) is None
-        assert handoff.take(source) is None  # an entry is consumed by the first call, hit or miss
-        handoff.put(source, normed)
-        assert handoff.take(source) is normed
-        handoff.put(source, normed)
-        source.mul_(2)
-        assert handoff.take(source) is None
-        handoff.put(source, normed)
-    assert handoff.take(source) is None  # autograd on: a precomputed output has no graph
-    with torch.no_grad():
-        handoff.put(source, normed)
-        del source
-        assert handoff._entry is None  # the entry dies with its input
+        assert handoff.take(norm, source) is None
+        token = handoff.enter({})
+        try:
+            handoff.put(norm, source, normed)
+            assert handoff.take(norm, torch.ones(2, 4)) is None
+            assert handoff.take(norm, source) is None  # an entry is consumed by the first call, hit or miss
+            handoff.put(norm, source, normed)
+            assert handoff.take(torch.nn.Identity(), source) is None  # another norm
+            assert handoff.take(norm, source) is normed
+            handoff.put(norm, source, normed)
+            source.mul_(2)
+            assert handoff.take(norm, source) is None
+            handoff.put(norm, source, normed)
+        finally:
+            handoff.leave(token)
+        assert handoff.take(norm, source) is None  # entries die with their scope
 
 
 def test_a_model_running_fewer_layers_than_it_has(norms_only):
     """``config.num_hidden_layers`` below the layer count: the last layer run hands its sum to a norm that is
     never called, and the final norm computes it itself."""
+    from hf_rmsnorm.patch import handoff
+
     model = tiny_model("llama", torch.bfloat16, layers=3)
     model.config.num_hidden_layers = 2
     ids = input_ids()
@@ -263,7 +268,7 @@ def test_a_model_running_fewer_layers_than_it_has(norms_only):
     norms_only.undo()
     patch_model(model)
     assert torch.equal(_logits(model, ids), _logits(unfused, ids))
-    assert model.model.layers[2].input_layernorm._hf_rmsnorm_handoff._entry is None
+    assert handoff._SCOPE.get() is None  # the unused handoff died with the call
 
 
 @pytest.mark.parametrize("obj", [42, "model", torch.nn.Linear(4, 4)], ids=["int", "str", "Linear"])

@@ -1,7 +1,7 @@
 """scripts/verify.py and the modules behind it: presets, loading, parity metrics and the verdict.
 
 The command-line tests launch the script as users do (a subprocess, CPU, Triton's interpreter) with small
-prompts so each run takes seconds; the metric tests call ``hf_rmsnorm.parity`` on hand-made logits.
+prompts so each run takes seconds; the metric tests call ``hf_rmsnorm.tools.parity`` on hand-made logits.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_rmsnorm import parity
-from hf_rmsnorm.loading import ModelLoadError, looks_like_path, parse_dtype
-from hf_rmsnorm.presets import DEFAULT_PRESET, PRESETS, build_preset
+from hf_rmsnorm.tools import parity, workload
+from hf_rmsnorm.tools.loading import ModelLoadError, looks_like_path, parse_dtype
+from hf_rmsnorm.tools.presets import DEFAULT_PRESET, PRESETS, build_preset
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "verify.py"
 # Small enough that one run is a few seconds on two cores, large enough for padding and several decode steps.
@@ -97,9 +97,7 @@ def test_main_bad_input(args, fragments, capsys, monkeypatch):
     # the real exit path.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    with pytest.raises(SystemExit) as exit_info:
-        _load_script().main([*args, "--device", "cpu"])
-    assert exit_info.value.code == 2
+    assert _load_script().main([*args, "--device", "cpu"]) == 2
     captured = capsys.readouterr()
     assert_bad_input(subprocess.CompletedProcess(args, 2, captured.out, captured.err), *fragments)
 
@@ -111,9 +109,7 @@ def test_main_hub_unreachable(capsys, monkeypatch):
     for name in ("http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.upper(), raising=False)
-    with pytest.raises(SystemExit) as exit_info:
-        _load_script().main(["--model", "org/not-cached-model", "--device", "cpu"])
-    assert exit_info.value.code == 2
+    assert _load_script().main(["--model", "org/not-cached-model", "--device", "cpu"]) == 2
     captured = capsys.readouterr()
     assert_bad_input(subprocess.CompletedProcess([], 2, captured.out, captured.err),
                      "unreachable", "save_pretrained", "HF_HUB_OFFLINE")
@@ -254,12 +250,12 @@ def test_greedy_divergence_is_reported_not_judged():
 
 
 def test_prompts_are_left_padded():
-    prompts = parity.make_prompts(None, 512, 3, 10, 0, left_pad=True)
+    prompts = workload.make_prompts(None, 512, 3, 10, 0, left_pad=True)
     lengths = prompts.attention_mask.sum(-1).tolist()
     assert lengths[0] == 10 and lengths == sorted(lengths, reverse=True) and lengths[-1] < 10
     assert (prompts.input_ids[prompts.attention_mask == 0] == 0).all()
     assert prompts.position_ids[2, -lengths[2]:].tolist() == list(range(lengths[2]))
-    full = parity.make_prompts(None, 512, 2, 10, 0, left_pad=False)
+    full = workload.make_prompts(None, 512, 2, 10, 0, left_pad=False)
     assert full.attention_mask.all()
 
 
@@ -278,14 +274,15 @@ def test_upcast_restores_every_tensor_exactly():
 
 
 def test_speed_figures_and_report(monkeypatch):
-    from hf_rmsnorm.speed import measure_generate, speedups
+    from hf_rmsnorm.tools.speed import measure_generate, speedups
+    from hf_rmsnorm.tools.verify import render
 
     # Stand-ins for the CUDA calls, so the timing logic runs on CPU.
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
     model = build_preset(DEFAULT_PRESET)
-    prompts = parity.make_prompts(None, 512, 1, 8, 0, left_pad=False)
+    prompts = workload.make_prompts(None, 512, 1, 8, 0, left_pad=False)
     figures = measure_generate(model, prompts, new_tokens=3, repeats=2, pad_id=0)
     assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
     assert figures.peak_memory_bytes == 123
@@ -302,6 +299,6 @@ def test_speed_figures_and_report(monkeypatch):
         "parity": parity_figures,
         "speed": {"unpatched": figures.to_dict(), "patched": figures.to_dict(), **speedups(figures, figures)},
     }
-    text = _load_script().render(report)
+    text = render(report)
     assert "decode tokens/s" in text and "1.000x" in text and "skipped lm_head: not a norm" in text
     assert "Verdict: PASS" in text and "interpreter" not in text

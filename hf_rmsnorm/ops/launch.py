@@ -7,15 +7,12 @@ heuristics are cached per (width, dtype size) and nothing is autotuned.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
-from .kernels import rms_norm_bwd_kernel, rms_norm_fwd_kernel
-from .reference import output_dtype, stats_shape, sum_dtype, weight_offset
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from .kernels import norm_bwd_kernel, norm_fwd_kernel
+from .modes import get_mode, sum_dtype
 
 # Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
 # The backward keeps more values live per element (dy, n, g and the weight-gradient accumulator).
@@ -95,12 +92,13 @@ def norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Runs the forward kernel. Returns ``(y, residual + x or None, stats)``: fp32 ``rstd`` of shape
     ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode."""
+    m = get_mode(mode)
     shape = x.shape
     n_cols = shape[-1]
-    normed_dtype = sum_dtype(x, residual)
-    y = _new_rows(x, output_dtype(normed_dtype, weight, bias, mode))
-    new_residual = None if residual is None else _new_rows(x, normed_dtype)
-    stats = torch.empty(stats_shape(shape, mode), dtype=torch.float32, device=x.device)
+    norm_dtype = sum_dtype(x, residual)
+    y = _new_rows(x, m.output_dtype(norm_dtype, weight, bias))
+    new_residual = None if residual is None else _new_rows(x, norm_dtype)
+    stats = torch.empty(m.stats_shape(shape), dtype=torch.float32, device=x.device)
     n_rows = y.numel() // n_cols if n_cols else 0
     if n_rows == 0:
         return y, new_residual, stats
@@ -110,13 +108,12 @@ def norm_forward(
     # Outputs are fresh and contiguous: their row stride is n_cols.
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     with _on_device(x):
-        rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+        norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
             x2, r2, weight, bias, y, y if new_residual is None else new_residual, stats,
             n_rows, n_cols,
             stride_x, stride_r, n_cols, n_cols,
             eps,
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=mode == "layernorm",
+            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, **m.kernel_flags,
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
             num_warps=num_warps,
         )
@@ -126,7 +123,7 @@ def norm_forward(
 def norm_backward(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,
-    normed_input: torch.Tensor,
+    norm_input: torch.Tensor,
     stats: torch.Tensor,
     weight: torch.Tensor,
     bias_dtype: torch.dtype | None,
@@ -136,12 +133,12 @@ def norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """Runs the backward kernel. Returns ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only
     allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``)."""
-    shape = normed_input.shape
+    shape = norm_input.shape
     n_cols = shape[-1]
-    device = normed_input.device
-    dx = _new_rows(normed_input, dx_dtype)
-    dres = None if dres_dtype is None else _new_rows(normed_input, dres_dtype)
-    n_rows = normed_input.numel() // n_cols if n_cols else 0
+    device = norm_input.device
+    dx = _new_rows(norm_input, dx_dtype)
+    dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
+    n_rows = norm_input.numel() // n_cols if n_cols else 0
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
     n_row_blocks = triton.cdiv(n_rows, block_m)
     if n_row_blocks == 0 or n_cols == 0:
@@ -149,7 +146,7 @@ def norm_backward(
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
         return dx, dres, dweight, dbias
 
-    if INTERPRET and not dy.is_cuda:
+    if not dy.is_cuda:  # Triton's interpreter (launch.py only runs on the CPU there)
         n_programs = min(n_row_blocks, INTERPRET_BWD_PROGRAMS)
     else:
         n_programs = min(n_row_blocks, _sm_count(device.index or 0) * BWD_PROGRAMS_PER_SM)
@@ -158,16 +155,15 @@ def norm_backward(
     db_partial = None if bias_dtype is None else torch.empty_like(dw_partial)
 
     dy2, stride_dy = _as_rows(dy, n_cols)
-    s2, stride_s = _as_rows(normed_input, n_cols)
+    s2, stride_s = _as_rows(norm_input, n_cols)
     dsum2, stride_dsum = (dy2, stride_dy) if dsum is None else _as_rows(dsum, n_cols)
     with _on_device(dy):
-        rms_norm_bwd_kernel[(n_programs,)](
+        norm_bwd_kernel[(n_programs,)](
             dy2, dsum2, s2, stats, weight, dx, dx if dres is None else dres, dw_partial, db_partial,
             n_rows, n_cols, n_row_blocks, row_blocks_per_program,
             stride_dy, stride_dsum, stride_s, n_cols, n_cols,
             HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
-            CAST_BEFORE_WEIGHT=mode == "llama", WEIGHT_OFFSET=weight_offset(mode), CENTER=mode == "layernorm",
-            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
+            **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
             num_warps=num_warps,
         )
     dweight = dw_partial.sum(0).to(weight.dtype)

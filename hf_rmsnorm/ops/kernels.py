@@ -1,4 +1,4 @@
-"""Triton kernels for RMSNorm with an optional fused residual add, forward and backward.
+"""Triton kernels for RMSNorm and LayerNorm with an optional fused residual add, forward and backward.
 
 Memory traffic is the whole cost of these kernels, so each one touches every element the minimum number of
 times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``residual + x`` once (8 bytes per
@@ -11,12 +11,12 @@ blocks: a first pass computes the sum of squares (and writes the residual sum), 
 row, which the first pass has just brought into L2, and writes the output.
 
 ``CENTER`` turns the kernels into LayerNorm (the row mean is subtracted before the RMS; the mean is stored
-next to ``rstd``): converted LayerNorm models train with it, where an RMSNorm would see the mean component of
-the writers' updates.
+next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm.
 
 All arithmetic is in fp32 after loading (which is also what Triton's CPU interpreter needs: it stores bf16 as
 raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` and ``WEIGHT_OFFSET``
-(see ``reference.py``). Row offsets are 64-bit, so a million tokens of width 8192 cannot overflow.
+(the modes of ``modes.py``; ``reference.py`` is the same maths in PyTorch). Row offsets are 64-bit, so a
+million tokens of width 8192 cannot overflow.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_normed_input(
+def _load_norm_input(
     X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum, HAS_RESIDUAL: tl.constexpr
 ):
     """Loads one tile of the norm's input in fp32; with a residual, writes ``residual + x`` rounded to the
@@ -75,7 +75,7 @@ def _scale_and_store(
 
 
 @triton.jit
-def rms_norm_fwd_kernel(
+def norm_fwd_kernel(
     X, RESIDUAL, W, B, Y, SUM_OUT, RSTD,
     n_rows, n_cols,
     stride_x, stride_res, stride_y, stride_sum,
@@ -99,7 +99,7 @@ def rms_norm_fwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
-        s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+        s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                HAS_RESIDUAL)
         if CENTER:
             # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
@@ -117,7 +117,7 @@ def rms_norm_fwd_kernel(
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            s = _load_normed_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+            s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                    HAS_RESIDUAL)
             if CENTER:
                 acc += s
@@ -197,7 +197,7 @@ def _store_input_grad(
 
 
 @triton.jit
-def rms_norm_bwd_kernel(
+def norm_bwd_kernel(
     DY, DSUM, S, RSTD, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, n_row_blocks, row_blocks_per_program,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,

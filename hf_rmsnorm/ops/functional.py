@@ -6,9 +6,8 @@ several times a decode-sized kernel launch on the host, so eager calls skip it: 
 from the same forward, context and backward functions when a gradient is needed, and a direct call otherwise
 (``generate()`` runs under ``no_grad``).
 
-The implementation follows the tensor's device: the Triton kernels on CUDA/ROCm, and on CPU the same kernels in
-Triton's interpreter when ``TRITON_INTERPRET=1`` (how the test suite exercises them) or else the PyTorch
-implementation in ``reference.py`` with identical semantics.
+``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
+interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics.
 """
 
 from __future__ import annotations
@@ -17,31 +16,24 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .launch import INTERPRET, norm_backward, norm_forward
-
-# dtypes the kernels load; anything else (fp64) takes the PyTorch path, which HF's maths also uses.
-_KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
-
-
-def _use_kernels(*tensors: Tensor | None) -> bool:
-    t = tensors[0]
-    if not (t.is_cuda or (INTERPRET and t.device.type == "cpu")):
-        return False
-    return all(u is None or u.dtype in _KERNEL_DTYPES for u in tensors)
+from .backend import runs_kernels
+from .launch import norm_backward, norm_forward
+from .modes import get_mode, sum_dtype
 
 
 def _forward(x, residual, weight, bias, eps, mode):
-    if _use_kernels(x, residual, weight, bias):
+    if runs_kernels(x, residual, weight, bias):
         return norm_forward(x, residual, weight, bias, eps, mode)
-    y, normed_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
-    return y, (None if residual is None else normed_input), stats
+    y, norm_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
+    return y, (None if residual is None else norm_input), stats
 
 
 def _fake_forward(x, residual, weight, bias, mode):
-    normed_dtype = reference.sum_dtype(x, residual)
-    y = x.new_empty(x.shape, dtype=reference.output_dtype(normed_dtype, weight, bias, mode))
-    stats = x.new_empty(reference.stats_shape(x.shape, mode), dtype=torch.float32)
-    return y, x.new_empty(x.shape, dtype=normed_dtype), stats
+    m = get_mode(mode)
+    norm_dtype = sum_dtype(x, residual)
+    y = x.new_empty(x.shape, dtype=m.output_dtype(norm_dtype, weight, bias))
+    stats = x.new_empty(m.stats_shape(x.shape), dtype=torch.float32)
+    return y, x.new_empty(x.shape, dtype=norm_dtype), stats
 
 
 def _rms_norm_impl(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
@@ -76,7 +68,7 @@ def _(x, residual, weight, bias, eps, mode):
 def _rms_norm_bwd(
     dy: Tensor,
     dsum: Tensor | None,
-    normed_input: Tensor,
+    norm_input: Tensor,
     stats: Tensor,
     weight: Tensor,
     bias_dtype: torch.dtype | None,
@@ -86,13 +78,13 @@ def _rms_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed are empty tensors (custom
     ops cannot return None, nor one tensor twice)."""
-    if _use_kernels(dy, dsum, normed_input, weight):
+    if runs_kernels(dy, dsum, norm_input, weight):
         dx, dres, dweight, dbias = norm_backward(
-            dy, dsum, normed_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
+            dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
         )
     else:
         grad, dweight, dbias = reference.backward_reference(
-            dy, dsum, normed_input, stats, weight, bias_dtype is not None, mode
+            dy, dsum, norm_input, stats, weight, bias_dtype is not None, mode
         )
         dx = grad.to(dx_dtype)
         dres = None if dres_dtype is None else grad.to(dres_dtype)
@@ -102,15 +94,15 @@ def _rms_norm_bwd(
 
 
 @_rms_norm_bwd.register_fake
-def _(dy, dsum, normed_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
-    dx = normed_input.new_empty(normed_input.shape, dtype=dx_dtype)
-    dres = dx.new_empty(normed_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
-    dbias = dx.new_empty((normed_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
+def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
+    dx = norm_input.new_empty(norm_input.shape, dtype=dx_dtype)
+    dres = dx.new_empty(norm_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
+    dbias = dx.new_empty((norm_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
     return dx, dres, torch.empty_like(weight), dbias
 
 
-def _save_common(ctx, normed_input: Tensor, stats: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
-    ctx.save_for_backward(normed_input, stats, weight)
+def _save_common(ctx, norm_input: Tensor, stats: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
+    ctx.save_for_backward(norm_input, stats, weight)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.mode = mode
     # Unused outputs (the statistics, often the residual sum) then arrive as None instead of materialised zeros.
@@ -118,12 +110,12 @@ def _save_common(ctx, normed_input: Tensor, stats: Tensor, weight: Tensor, bias:
 
 
 def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
-    normed_input, stats, weight = ctx.saved_tensors
+    norm_input, stats, weight = ctx.saved_tensors
     if dy is None:
-        dy = normed_input.new_zeros(normed_input.shape, dtype=reference.output_dtype(
-            normed_input.dtype, weight, None, ctx.mode))
+        y_dtype = get_mode(ctx.mode).output_dtype(norm_input.dtype, weight, None)
+        dy = norm_input.new_zeros(norm_input.shape, dtype=y_dtype)
     dx, dres, dweight, dbias = torch.ops.hf_rmsnorm.rms_norm_bwd(
-        dy, dsum, normed_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
+        dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
     )
     return dx, dres, dweight, (dbias if ctx.bias_dtype is not None else None)
 
@@ -180,11 +172,6 @@ def _needs_autograd(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in reference.MODES:
-        raise ValueError(f"unknown mode {mode!r}: use one of {', '.join(reference.MODES)}")
-
-
 def rms_norm(
     x: Tensor, weight: Tensor, eps: float = 1e-6, *, bias: Tensor | None = None, mode: str = "llama"
 ) -> Tensor:
@@ -197,12 +184,12 @@ def rms_norm(
         bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
         mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32) or ``"fp32_affine"``
             (weight and bias applied in fp32, as OLMo2 and LayerNorm do); ``"layernorm"`` also subtracts the
-            row mean (an exact ``nn.LayerNorm``). See ``hf_rmsnorm.reference``.
+            row mean (an exact ``nn.LayerNorm``). See ``hf_rmsnorm.ops.modes``.
 
     Returns:
         The normalised tensor, in the dtype the Hugging Face module would return.
     """
-    _check_mode(mode)
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
     if torch.compiler.is_compiling():
         return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, eps, mode)[0]
@@ -228,7 +215,7 @@ def fused_add_rms_norm(
     Returns:
         ``(y, new_residual)``.
     """
-    _check_mode(mode)
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
     if torch.compiler.is_compiling():
         y, new_residual, _ = torch.ops.hf_rmsnorm.add_rms_norm_fwd(x, residual, weight, bias, eps, mode)

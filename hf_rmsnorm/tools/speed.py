@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .parity import Prompts, generation_config
+from .workload import Prompts, generation_config
 
 
 @dataclass

@@ -25,10 +25,10 @@ from accelerate.utils import DistributedType, parse_flag_from_env, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from . import launch
+from ..ops import backend
+from ..patch import PatchReport, UnsupportedModelError, patch_model
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
 from .loading import load_model
-from .patcher import PatchReport, patch_model
 
 # Learning rates when --lr is not given: common choices for full fine-tuning and for LoRA adapters.
 FULL_FINETUNE_LR = 2e-5
@@ -82,7 +82,7 @@ def finetune(config: FinetuneConfig) -> dict:
     check_output_paths(config.output_dir, config.metrics_json)
     documents = read_documents(corpus_files(config.data))
     accelerator = make_accelerator()
-    accelerator.print(describe_kernel_backend())
+    accelerator.print(f"hf_rmsnorm: {backend.describe(accelerator.device)}")
     set_seed(config.seed)
 
     # FSDP shards from CPU; everything else is loaded straight onto its device.
@@ -98,7 +98,10 @@ def finetune(config: FinetuneConfig) -> dict:
     )
     accelerator.print(f"corpus: {len(documents)} documents -> {len(sequences)} sequences of {config.seq_len} tokens")
 
-    report = patch_model(model) if config.patch else None
+    try:
+        report = patch_model(model) if config.patch else None
+    except UnsupportedModelError as exc:
+        raise FinetuneInputError(str(exc)) from exc
     accelerator.print(report if report is not None else "--no-patch: Hugging Face's own norms")
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
@@ -154,15 +157,6 @@ def make_accelerator() -> Accelerator:
             "on GPUs; without one, launch with --multi_gpu (DDP over gloo)"
         )
     return accelerator
-
-
-def describe_kernel_backend() -> str:
-    """Where the patched norms will run, for the log."""
-    if torch.cuda.is_available():
-        return "hf_rmsnorm: Triton kernels on the GPU"
-    if launch.INTERPRET:
-        return "hf_rmsnorm: no GPU, the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1; slow)"
-    return "hf_rmsnorm: no GPU and TRITON_INTERPRET is not 1: patched norms use the PyTorch fallback"
 
 
 def check_output_paths(output_dir: Path, metrics_json: Path | None) -> None:

@@ -1,8 +1,9 @@
-"""Model families the patcher knows, described as data.
+"""Model families the patcher knows, described as data: the one registry, RMSNorm and LayerNorm families alike.
 
 Each family says which of its classes are norms (and how they cast), which are pre-norm decoder layers (and
-the attribute names of their parts), and which module runs the layers and then a final norm. The patcher has
-one walker and one fused layer body for all of them; adding a family of the same shape is adding an entry here.
+the attribute names of their parts), and which module runs the layers and then a final norm. A LayerNorm family
+also says, for its stack, which LayerNorms read the residual stream and which modules write into it. The patcher
+has one walker and one fused layer body for all of them; adding a family of the same shape is adding an entry.
 
 Classes are named by import path and looked up among the loaded modules at patch time, so a transformers
 version without a family simply does not offer it. Matching is by exact class (never by name or subclass): a
@@ -11,18 +12,30 @@ norm of an unknown class is reported as skipped, never patched on a guess.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from torch import nn
 
 
 @dataclass(frozen=True)
 class NormKind:
-    """A norm class and the numerics of its forward (see ``hf_rmsnorm.reference`` for the modes)."""
+    """A norm class and the numerics of its forward (the modes of ``hf_rmsnorm.ops.modes``). ``bias_attr`` names
+    an optional bias: the attribute must exist, its value may be None."""
 
     class_path: str
     eps_attr: str = "variance_epsilon"
     mode: str = "llama"
     bias_attr: str | None = None
+
+
+# nn.LayerNorm is everywhere, so it is never matched by class: a LayerNorm family's stack names the LayerNorms
+# that get one of these (``ResidualStream.norms``). The default is the exact fused add + LayerNorm of the kernels;
+# the explicit conversion of a pre-LN model to RMSNorm (``hf_rmsnorm.patch.conversion``) uses the second.
+LAYERNORM = NormKind("torch.nn.modules.normalization.LayerNorm", eps_attr="eps", mode="layernorm", bias_attr="bias")
+LAYERNORM_AS_RMSNORM = dataclasses.replace(LAYERNORM, mode="fp32_affine")
 
 
 @dataclass(frozen=True)
@@ -77,22 +90,48 @@ class LayerKind:
 
 
 @dataclass(frozen=True)
+class ResidualStream:
+    """The residual stream of a LayerNorm decoder's layers: ``norms`` are the LayerNorms that read it and
+    ``writers`` the modules whose outputs are added to it, as paths inside each layer (a path whose module is
+    absent or None is skipped: Falcon and StableLM build different norms per config). ``not_pre_ln`` says why an
+    instance is not a pre-LN model (its norms read residual sums), which rules out the conversion to RMSNorm."""
+
+    norms: tuple[str, ...]
+    writers: tuple[str, ...]
+    not_pre_ln: Callable[[nn.Module], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class StackKind:
     """A module whose forward runs ``for layer in layers[:n]: h = layer(h, ...)`` and then ``final_norm(h)``
     with nothing else touching ``h``: the MLP residual add of layer ``i`` may then be fused with the input norm
-    of layer ``i + 1`` (or the final norm)."""
+    of layer ``i + 1`` (or the final norm). ``stream`` is set for LayerNorm families."""
 
     class_path: str
     layers: str = "layers"
     final_norm: str = "norm"
+    stream: ResidualStream | None = None
 
 
 @dataclass(frozen=True)
 class Family:
     name: str
-    norms: tuple[NormKind, ...]
+    norms: tuple[NormKind, ...] = ()
     layers: tuple[LayerKind, ...] = ()
     stacks: tuple[StackKind, ...] = ()
+
+    @property
+    def normalises_with_layernorm(self) -> bool:
+        return any(stack.stream is not None for stack in self.stacks)
+
+
+def _opt_not_pre_ln(decoder: nn.Module) -> str | None:
+    if not decoder.config.do_layer_norm_before:
+        return "it is post-LN (do_layer_norm_before=False, as OPT-350m): its LayerNorms read the residual sums"
+    return None
+
+
+_M = "transformers.models"
 
 
 def _llama_shaped(
@@ -101,7 +140,7 @@ def _llama_shaped(
     """A family laid out like Llama: ``<prefix>RMSNorm``, ``<prefix>DecoderLayer`` and ``<prefix>Model`` in
     ``transformers.models.<package>.modeling_<package>``. ``dropouts`` adds Phi3's residual dropouts and
     ``residual_scale`` names the layer attribute Granite multiplies each residual branch by."""
-    module = f"transformers.models.{package}.modeling_{package}"
+    module = f"{_M}.{package}.modeling_{package}"
     drop = {"attention_dropout": "resid_attn_dropout", "mlp_dropout": "resid_mlp_dropout"} if dropouts else {}
     return Family(
         name=name,
@@ -125,26 +164,28 @@ FAMILIES: tuple[Family, ...] = (
     _llama_shaped("Qwen2-MoE", "qwen2_moe", "Qwen2Moe"),
     _llama_shaped("Qwen3-MoE", "qwen3_moe", "Qwen3Moe"),
     _llama_shaped("Granite", "granite", "Granite", residual_scale="residual_multiplier"),
-    # Pre-LN LayerNorm decoders of the same shape: their norms come from the LayerNorm conversion
-    # (hf_rmsnorm.conversion), these entries only fuse their residual adds.
+    # LayerNorm decoders. Their stacks name the LayerNorms on the residual stream, which run the fused LayerNorm
+    # kernels; the layers of the ones shaped like a LayerKind also get their residual adds fused.
     Family(
         name="GPT-2",
-        norms=(),
         layers=(LayerKind(
-            "transformers.models.gpt2.modeling_gpt2.GPT2Block", input_norm="ln_1", attention="attn",
+            f"{_M}.gpt2.modeling_gpt2.GPT2Block", input_norm="ln_1", attention="attn",
             post_attention_norm="ln_2", unsupported_if=("crossattention",),
             forward_params=("hidden_states", "cache", "attention_mask", "encoder_hidden_states",
                             "encoder_attention_mask", "use_cache"),
         ),),
-        stacks=(StackKind("transformers.models.gpt2.modeling_gpt2.GPT2Model", layers="h", final_norm="ln_f"),),
+        stacks=(StackKind(
+            f"{_M}.gpt2.modeling_gpt2.GPT2Model", layers="h", final_norm="ln_f",
+            stream=ResidualStream(norms=("ln_1", "ln_cross_attn", "ln_2"),
+                                  writers=("attn.c_proj", "crossattention.c_proj", "mlp.c_proj")),
+        ),),
     ),
     Family(
         name="GPT-NeoX",
-        norms=(),
         # One layer class, two bodies: use_parallel_residual (the default) picks the parallel one.
         layers=tuple(
             LayerKind(
-                "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", attention="attention",
+                f"{_M}.gpt_neox.modeling_gpt_neox.GPTNeoXLayer", attention="attention",
                 attention_input=None, attention_dropout="post_attention_dropout", mlp_dropout="post_mlp_dropout",
                 forward_params=("hidden_states", "attention_mask", "position_ids", "use_cache", "layer_past",
                                 "position_embeddings"),
@@ -153,33 +194,66 @@ FAMILIES: tuple[Family, ...] = (
             for gate in ({"unsupported_if": ("use_parallel_residual",)},
                          {"parallel": True, "requires": ("use_parallel_residual",)})
         ),
-        stacks=(StackKind("transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXModel",
-                          final_norm="final_layer_norm"),),
+        stacks=(StackKind(
+            f"{_M}.gpt_neox.modeling_gpt_neox.GPTNeoXModel", final_norm="final_layer_norm",
+            stream=ResidualStream(norms=("input_layernorm", "post_attention_layernorm"),
+                                  writers=("attention.dense", "mlp.dense_4h_to_h")),
+        ),),
     ),
     Family(
-        name="GPT-J",
-        norms=(),
-        layers=(LayerKind(
-            "transformers.models.gptj.modeling_gptj.GPTJBlock", input_norm="ln_1", attention="attn",
-            post_attention_norm=None, parallel=True,
+        name="OPT",
+        stacks=(StackKind(
+            f"{_M}.opt.modeling_opt.OPTDecoder", final_norm="final_layer_norm",
+            stream=ResidualStream(norms=("self_attn_layer_norm", "final_layer_norm"),
+                                  writers=("self_attn.out_proj", "fc2"), not_pre_ln=_opt_not_pre_ln),
         ),),
-        stacks=(StackKind("transformers.models.gptj.modeling_gptj.GPTJModel", layers="h", final_norm="ln_f"),),
     ),
     Family(
         name="Phi",
-        norms=(),
         layers=(LayerKind(
-            "transformers.models.phi.modeling_phi.PhiDecoderLayer", post_attention_norm=None, parallel=True,
+            f"{_M}.phi.modeling_phi.PhiDecoderLayer", post_attention_norm=None, parallel=True,
             attention_dropout="resid_dropout", mlp_dropout="resid_dropout",
         ),),
-        stacks=(StackKind("transformers.models.phi.modeling_phi.PhiModel", final_norm="final_layernorm"),),
+        stacks=(StackKind(
+            f"{_M}.phi.modeling_phi.PhiModel", final_norm="final_layernorm",
+            stream=ResidualStream(norms=("input_layernorm",), writers=("self_attn.dense", "mlp.fc2")),
+        ),),
+    ),
+    Family(
+        name="Falcon",
+        stacks=(StackKind(
+            f"{_M}.falcon.modeling_falcon.FalconModel", layers="h", final_norm="ln_f",
+            stream=ResidualStream(norms=("input_layernorm", "post_attention_layernorm", "ln_attn", "ln_mlp"),
+                                  writers=("self_attention.dense", "mlp.dense_4h_to_h")),
+        ),),
+    ),
+    Family(
+        name="GPT-J",
+        layers=(LayerKind(
+            f"{_M}.gptj.modeling_gptj.GPTJBlock", input_norm="ln_1", attention="attn",
+            post_attention_norm=None, parallel=True,
+        ),),
+        stacks=(StackKind(
+            f"{_M}.gptj.modeling_gptj.GPTJModel", layers="h", final_norm="ln_f",
+            stream=ResidualStream(norms=("ln_1",), writers=("attn.out_proj", "mlp.fc_out")),
+        ),),
+    ),
+    Family(
+        name="StableLM",
+        stacks=(StackKind(
+            f"{_M}.stablelm.modeling_stablelm.StableLmModel",
+            stream=ResidualStream(norms=("input_layernorm", "post_attention_layernorm"),
+                                  writers=("self_attn.o_proj", "mlp.down_proj")),
+        ),),
     ),
 )
 
 
 def family_names() -> str:
-    """The RMSNorm families, for error messages (the LayerNorm ones are listed by ``hf_rmsnorm.conversion``)."""
-    return ", ".join(f.name for f in FAMILIES if f.norms)
+    """Every supported family, for error messages."""
+    rms = ", ".join(f.name for f in FAMILIES if not f.normalises_with_layernorm)
+    layernorm = ", ".join(f.name for f in FAMILIES if f.normalises_with_layernorm)
+    return f"{rms}; LayerNorm models: {layernorm}"
 
 
 def resolve_class(path: str) -> type | None:

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cli import InputError
 from .presets import PRESETS, build_preset
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -26,7 +27,7 @@ _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float3
 _HUB_PROBE_TIMEOUT_S = 3.0
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(InputError):
     """A model or setting the user named cannot be loaded; the message is one actionable line."""
 
 

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 
+from .cli import InputError
+
 # What the project itself holds, used when no --data is given (relative to the checkout root).
 _PROJECT_TEXT_GLOBS = ("README.md", "CHANGELOG.md", "docs/**/*.md", "hf_rmsnorm/**/*.py", "scripts/**/*.py")
 _N_BYTES = 256
 
 
-class FinetuneInputError(ValueError):
+class FinetuneInputError(InputError):
     """A bad command-line input (data, sizes, output paths); the message is one line meant for the user."""
 
 
@@ -49,7 +51,7 @@ def corpus_files(data: Path | None) -> list[Path]:
 
 def project_text_files() -> list[Path]:
     """The project's README, changelog, docs and Python sources (what exists of them in this install)."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the checkout: hf_rmsnorm/tools/ is two levels down
     files = {p for pattern in _PROJECT_TEXT_GLOBS for p in root.glob(pattern) if p.is_file()}
     return sorted(files)
 

@@ -1,8 +1,9 @@
-"""``patch_model`` / ``unpatch_model``: give a loaded model's norms and decoder layers the fused kernels.
+"""``patch_model`` / ``unpatch_model``: give a loaded model's norms, decoder layers and stacks the fused kernels.
 
 The walker plans everything first (which modules match a family of ``families.py`` exactly and why the others
 are left alone), then applies the plan as class swaps plus a few instance attributes, restoring everything if
-any step fails. Parameters, buffers, hooks and attribute paths are never touched.
+any step fails. Parameters, buffers, hooks and attribute paths are left alone, except by the explicit
+conversion of LayerNorm models to RMSNorm (``conversion.py``), which the caller asks for by name.
 """
 
 from __future__ import annotations
@@ -13,71 +14,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from . import conversion, modules
-from .families import LayerKind, NormKind, StackKind, registry
-from .families import family_names as rmsnorm_family_names
+from . import fused
+from .conversion import LayerNormPlan, plan_layernorms
+from .families import LayerKind, NormKind, StackKind, family_names, registry
+from .handoff import NextNorm
+from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
-_HANDOFF_ATTR = "_hf_rmsnorm_handoff"
-_NEXT_ATTR = "_hf_rmsnorm_next"
-_STREAM_ATTR = "_hf_rmsnorm_stream"
-
-
-class UnsupportedModelError(ValueError):
-    """``patch_model`` found nothing it can patch exactly; the model was left untouched."""
-
-
-class UnconvertibleModelError(UnsupportedModelError):
-    """The model normalises with ``nn.LayerNorm`` but cannot be converted to RMSNorm exactly (a post-LN model
-    such as BERT or OPT-350m, or not a pre-LN decoder of a supported family); it was left untouched."""
-
-
-def family_names() -> str:
-    """The supported families, for error messages."""
-    return f"{rmsnorm_family_names()}; LayerNorm models (converted to RMSNorm): {conversion.family_names()}"
-
-
-@dataclass
-class PatchReport:
-    """What ``patch_model`` changed.
-
-    Attributes:
-        norms: qualified names of the norm modules now running the kernels.
-        fused_adds: the residual adds now computed inside a norm kernel, one line per add.
-        skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
-            whose residual adds stay unfused.
-        families: the model families whose norms were patched.
-        converted: the ``nn.LayerNorm`` modules converted to RMSNorm (also listed in ``norms``).
-        centred: what was centred for the conversion: each stack's input (at run time, where it enters the
-            first layer) and the weights (and biases) of every module writing into the residual stream.
-    """
-
-    norms: list[str] = field(default_factory=list)
-    fused_adds: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    families: list[str] = field(default_factory=list)
-    converted: list[str] = field(default_factory=list)
-    centred: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        families = f" ({', '.join(self.families)})" if self.families else ""
-        lines = [
-            f"hf_rmsnorm: {len(self.norms)} norms patched{families}, {len(self.fused_adds)} residual adds fused, "
-            f"{len(self.skipped)} skipped"
-        ]
-        if self.converted:
-            lines[0] += f"; {len(self.converted)} LayerNorms converted to RMSNorm"
-        for title, items in (
-            ("norms", self.norms),
-            ("LayerNorms converted to RMSNorm", self.converted),
-            ("centred (exact conversion)", self.centred),
-            ("fused residual adds", self.fused_adds),
-            ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
-        ):
-            if items:
-                lines.append(f"  {title}:")
-                lines.extend(f"    {item}" for item in items)
-        return "\n".join(lines)
 
 
 @dataclass
@@ -85,93 +28,93 @@ class _PatchState:
     """Kept on the patched model, so ``unpatch_model`` knows what to undo (and copies of the model too)."""
 
     report: PatchReport
+    layernorms: LayerNormPlan
     swapped: list[tuple[nn.Module, type]] = field(default_factory=list)
     added: list[tuple[nn.Module, str]] = field(default_factory=list)
-    conversion: conversion.Conversion | None = None
 
 
 @dataclass
 class _Plan:
     report: PatchReport
-    conversion: conversion.Conversion
-    swaps: list[tuple[nn.Module, NormKind | LayerKind]] = field(default_factory=list)
+    layernorms: LayerNormPlan
+    swaps: list[tuple[nn.Module, NormKind | LayerKind | StackKind]] = field(default_factory=list)
     attrs: list[tuple[nn.Module, str, object]] = field(default_factory=list)
     already_patched: int = 0
 
 
-def patch_model(model: nn.Module, *, layernorm: str = "convert") -> PatchReport:
+def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     """Replace the norms of every supported family in ``model`` by the fused kernels, in place.
 
-    Norms become modules whose ``forward`` calls ``rms_norm`` (and accepts ``residual=`` for a fused add);
+    Norms become modules whose ``forward`` calls the kernels (and accepts ``residual=`` for a fused add);
     decoder layers of a known pre-norm structure fuse their attention residual add into
     ``post_attention_layernorm`` and, in inference, their MLP residual add into the next layer's input norm
     (the last layer's into the final norm). Outputs, hidden states, hooks, parameters and state dicts stay
     what they were. Patching a patched model does nothing and returns the first report.
 
-    Pre-LN decoders normalised with ``nn.LayerNorm`` (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) are
-    converted exactly (``hf_rmsnorm.conversion``): the modules writing into the residual stream are centred
-    in place (fp64, stored in their dtype) at the first inference forward of a model that has not trained,
-    the stream is centred where it enters the first layer, and each
-    LayerNorm runs the kernels with its weight, bias and eps. Logits stay the unpatched model's; the
-    intermediate hidden states differ from it by a per-token multiple of the all-ones vector. The residual
-    adds of sequential blocks (GPT-2, GPT-NeoX with ``use_parallel_residual=False``) are fused as Llama's;
-    the one add of parallel blocks (NeoX's default, Phi, GPT-J) is fused with the next norm in inference;
-    Falcon, StableLM and OPT keep their adds.
+    LayerNorm decoders (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) keep their LayerNorms' maths: each
+    LayerNorm on the residual stream runs the kernels' exact fused add + LayerNorm, and their residual adds are
+    fused where the layer has a known shape (GPT-2, GPT-NeoX, Phi, GPT-J).
 
     Args:
         model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
-        layernorm: ``"convert"`` (default) converts supported pre-LN LayerNorm models; ``"skip"`` leaves
-            every ``nn.LayerNorm`` alone (reported as skipped).
+        layernorm: what happens to the LayerNorms of LayerNorm decoders. ``"fuse"`` (default): the exact
+            fused LayerNorm above, no weight touched. ``"rmsnorm"``: a one-time, exact conversion of a pre-LN
+            fp32 model into an RMSNorm model (``hf_rmsnorm.patch.conversion``): the modules writing into the
+            residual stream are centred in place now (the report lists every parameter changed), the stream is
+            centred where it enters the first layer, and each LayerNorm runs as an RMSNorm. ``"skip"``: leave
+            every LayerNorm alone (reported as skipped).
 
     Returns:
-        A ``PatchReport`` of what was patched, fused and skipped.
+        A ``PatchReport`` of what was patched, fused, converted and skipped.
 
     Raises:
         UnsupportedModelError: ``model`` is not a module or has no norm of a supported family. Nothing changed.
-        UnconvertibleModelError: (a subclass) its norms are LayerNorms that cannot be converted exactly, as in
-            post-LN models (BERT, OPT-350m). Nothing changed.
+        UnconvertibleModelError: (a subclass) ``layernorm="rmsnorm"`` and the model cannot be converted exactly:
+            a post-LN model (BERT, OPT-350m), fp16/bf16 writers, an unknown stack. Nothing changed.
+        ValueError: ``layernorm`` is not one of the values above.
     """
-    if layernorm not in ("convert", "skip"):
-        raise ValueError(f"layernorm must be 'convert' or 'skip', got {layernorm!r}")
     root = _unwrap(model)
     state = root.__dict__.get(_STATE_ATTR)
     if state is not None:
         return state.report
-    plan = _plan(root, layernorm == "convert")
+    plan = _plan(root, layernorm)
     if not plan.swaps and not plan.already_patched:
         found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
-        has_ln = any(isinstance(m, nn.LayerNorm) for m in root.modules())
-        if layernorm == "convert" and has_ln:
-            reasons = "; ".join(plan.conversion.refused) or (
-                "it is not a pre-LN decoder of a supported family; post-LN models (BERT and the like) "
-                "normalise residual sums and cannot be converted to RMSNorm exactly"
-            )
+        has_layernorm = any(isinstance(m, nn.LayerNorm) for m in root.modules())
+        if layernorm == "rmsnorm" and has_layernorm:
             raise UnconvertibleModelError(
-                f"{type(model).__name__} normalises with nn.LayerNorm but cannot be converted exactly: "
-                f"{reasons}. patch_model supports {family_names()}"
+                f"{type(model).__name__} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported "
+                "family, so it cannot be converted to RMSNorm exactly (post-LN models such as BERT normalise "
+                f"residual sums); patch_model supports {family_names()}"
             )
+        hint = (
+            "; its nn.LayerNorms are not in a decoder of a supported LayerNorm family (post-LN encoders such as "
+            "BERT are not supported)" if has_layernorm and layernorm != "skip" else ""
+        )
         raise UnsupportedModelError(
             f"{type(model).__name__} has no norm of a supported family (norm-like classes found: "
-            f"{', '.join(found) or 'none'}); patch_model supports {family_names()}"
+            f"{', '.join(found) or 'none'}){hint}; patch_model supports {family_names()}"
         )
-    state = _PatchState(plan.report, conversion=plan.conversion)
+    state = _PatchState(plan.report, plan.layernorms)
     try:
         for module, kind in plan.swaps:
             state.swapped.append((module, type(module)))
-            _swap_class(module, modules.fused_class(type(module), kind))
+            _swap_class(module, fused.fused_class(type(module), kind))
         for module, name, value in plan.attrs + [(root, _STATE_ATTR, state)]:
             state.added.append((module, name))
             _set_attr(module, name, value)
-        plan.conversion.apply()
+        # Last: the only step that changes weights (the conversion to RMSNorm) cannot fail halfway.
+        plan.layernorms.apply()
     except BaseException:
-        plan.conversion.remove_hooks()
+        plan.layernorms.remove_hooks()
         _restore(state)
         raise
     return state.report
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo ``patch_model``: original classes and forwards, no attribute left behind.
+    """Undo ``patch_model``: original classes and forwards, no attribute or hook left behind. Weights centred by
+    ``layernorm="rmsnorm"`` stay centred: they give the same outputs in the original LayerNorm model.
 
     Raises:
         ValueError: ``model`` was not patched, or a patched module's class was changed since (for example by
@@ -184,33 +127,13 @@ def unpatch_model(model: nn.Module) -> None:
             f"{type(model).__name__} is not patched: call unpatch_model on the object patch_model was given"
         )
     for module, original in state.swapped:
-        if modules.original_class(module) is not original:
+        if fused.original_class(module) is not original:
             raise ValueError(
                 f"cannot unpatch: the class of a patched {original.__name__} was changed to "
                 f"{type(module).__module__}.{type(module).__qualname__} after patching; undo that wrapping first"
             )
     _restore(state)
-    # The centred weights stay: they give the same outputs in the unpatched model (conversion docstring).
-    state.conversion.remove_hooks()
-
-
-def recentre(model: nn.Module) -> None:
-    """Centres again the residual-stream writers of a model whose LayerNorms ``patch_model`` converted (after
-    training or loading weights into it), returning its inference to the pure RMSNorm kernels. Until then it
-    runs the exact LayerNorm mode of the same kernels; either way outputs are exact. Call it once training is
-    done: with residual dropout active, training centred writers is not training the original model. Writers
-    stored in fp16/bf16 are left alone (centring would re-round them). Does nothing for a
-    model without converted LayerNorms.
-
-    Raises:
-        ValueError: ``model`` is not patched.
-    """
-    root = _unwrap(model)
-    state = root.__dict__.get(_STATE_ATTR)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} is not patched")
-    for _, _, stream in state.conversion.stacks:
-        stream.recentre()
+    state.layernorms.remove_hooks()
 
 
 def _restore(state: _PatchState) -> None:
@@ -265,43 +188,43 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _plan(root: nn.Module, convert: bool = True) -> _Plan:
-    """Decides every change before any is made: which norms and layers to swap, which layers hand their
-    MLP residual sum to which norm, and which LayerNorm stacks are converted."""
-    plan = _Plan(PatchReport(), conversion.plan_conversion(root, convert))
-    norms, layer_candidates, stacks = _plan_norms(root, plan)
+def _plan(root: nn.Module, layernorm: str) -> _Plan:
+    """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
+    MLP residual sum to which norm, and what happens to the LayerNorms."""
+    reg = registry()
+    layernorms = plan_layernorms(root, reg.stacks, layernorm)
+    report = PatchReport(centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()))
+    plan = _Plan(report, layernorms)
+    norms, layer_candidates, stacks = _plan_norms(root, reg, plan)
     layers = _plan_layers(layer_candidates, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
-    plan.report.centred = plan.conversion.centred
     return plan
 
 
-def _plan_norms(root: nn.Module, plan: _Plan):
+def _plan_norms(root: nn.Module, reg, plan: _Plan):
     """Walks ``root`` once: plans the norm swaps, reports every norm-like module left alone, and returns the
     patched norms (module -> name), the decoder layers and the layer stacks of known classes."""
-    reg = registry()
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
-    stacks: list[tuple[nn.Module, StackKind]] = []
-    conv = plan.conversion
+    stacks: list[tuple[str, nn.Module, StackKind]] = []
+    layernorms = plan.layernorms
     for name, module in root.named_modules():
         cls = type(module)
-        if modules.original_class(module) is not None:
+        if fused.original_class(module) is not None:
             plan.already_patched += 1
             plan.report.skipped.append((name, "already patched by an earlier patch_model call on a submodule"))
-        elif module in conv.skipped:
-            plan.report.skipped.append((name, conv.skipped[module]))
-        elif cls in reg.norms or module in conv.norms:
-            family, kind = conv.norms[module] if module in conv.norms else reg.norms[cls]
-            problem = _class_problem(cls) or _norm_problem(module, kind) or _instance_problem(module)
+        elif module in layernorms.skipped:
+            plan.report.skipped.append((name, layernorms.skipped[module]))
+        elif cls in reg.norms or module in layernorms.norms:
+            family, kind = layernorms.norms[module] if module in layernorms.norms else reg.norms[cls]
+            problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or _instance_problem(module)
             if problem:
                 plan.report.skipped.append((name, problem))
                 continue
             norms[module] = name
             plan.swaps.append((module, kind))
             plan.report.norms.append(name)
-            if module in conv.norms:
-                plan.attrs.append((module, _STREAM_ATTR, conv.stream_of[module]))
+            if module in layernorms.converted:
                 plan.report.converted.append(name)
             if family not in plan.report.families:
                 plan.report.families.append(family)
@@ -310,7 +233,7 @@ def _plan_norms(root: nn.Module, plan: _Plan):
         elif cls in reg.layers:
             layer_candidates.append((name, module, tuple(kind for _, kind in reg.layers[cls])))
         elif cls in reg.stacks:
-            stacks.append((module, reg.stacks[cls][1]))
+            stacks.append((name, module, reg.stacks[cls][1]))
     return norms, layer_candidates, stacks
 
 
@@ -341,36 +264,43 @@ def _plan_layers(
 
 
 def _plan_handoffs(
-    stacks: list[tuple[nn.Module, StackKind]],
+    stacks: list[tuple[str, nn.Module, StackKind]],
     layers: dict[nn.Module, tuple[str, LayerKind]],
     norms: dict[nn.Module, str],
     plan: _Plan,
 ) -> None:
-    """Plans the attributes that let each layer fuse its MLP residual add into the next norm (inference)."""
-    handoff_norms: dict[nn.Module, None] = {}
-    for stack, kind in stacks:
-        for layer, target in _stack_links(stack, kind, layers, norms):
-            name, layer_kind = layers[layer]
-            plan.attrs.append((layer, _NEXT_ATTR, target))
-            handoff_norms.setdefault(target.norm)
+    """Plans the stacks whose layers fuse their MLP residual add into the next norm (inference): the stack's
+    class swap (its forward opens the handoff scope) and its table of links (``handoff.py``)."""
+    for name, stack, kind in stacks:
+        links = _stack_links(stack, kind, layers, norms)
+        if not links:
+            continue
+        problem = _class_problem(type(stack)) or _instance_problem(stack)
+        if problem:
+            plan.report.skipped.append((name, f"residual adds across layers not fused: {problem}"))
+            continue
+        plan.swaps.append((stack, kind))
+        plan.attrs.append((stack, fused.LINKS_ATTR, links))
+        for layer, target in links.items():
+            layer_name, layer_kind = layers[layer]
             plan.report.fused_adds.append(
                 # A parallel block's dropouts act on its branches before the add, so they never stop the fusion.
-                f"{name}: parallel residual -> {norms[target.norm]} (inference)" if layer_kind.parallel else
-                f"{name}: mlp residual -> {norms[target.norm]} (inference)" + _while_inactive(layer_kind.mlp_dropout)
+                f"{layer_name}: parallel residual -> {norms[target.norm]} (inference)" if layer_kind.parallel else
+                f"{layer_name}: mlp residual -> {norms[target.norm]} (inference)"
+                + _while_inactive(layer_kind.mlp_dropout)
             )
-    plan.attrs.extend((norm, _HANDOFF_ATTR, modules.Handoff()) for norm in handoff_norms)
 
 
 def _stack_links(
     stack: nn.Module, kind: StackKind, layers: dict[nn.Module, tuple[str, LayerKind]], norms: dict[nn.Module, str]
-) -> list[tuple[nn.Module, modules.NextNorm]]:
-    """(layer, where its MLP residual sum goes) for each patched layer of ``stack`` followed by a patched layer
-    or, for the last one, by a patched final norm."""
+) -> dict[nn.Module, NextNorm]:
+    """Where the MLP residual sum of each patched layer of ``stack`` goes, for the layers followed by a patched
+    layer or, for the last one, by a patched final norm."""
     layer_list = getattr(stack, kind.layers, None)
     final_norm = getattr(stack, kind.final_norm, None)
     if not isinstance(layer_list, nn.ModuleList):
-        return []
-    links = []
+        return {}
+    links = {}
     for i, layer in enumerate(layer_list):
         if layer not in layers:
             continue
@@ -383,7 +313,7 @@ def _stack_links(
             consumer = norm = final_norm
         else:
             continue
-        links.append((layer, modules.NextNorm(consumer, norm)))
+        links[layer] = NextNorm(consumer, norm)
     return links
 
 
@@ -402,13 +332,14 @@ def _class_problem(cls: type) -> str | None:
     return None
 
 
-def _norm_problem(norm: nn.Module, kind: NormKind) -> str | None:
+def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
+    """Why ``norm`` lacks an attribute its kind's forward reads, if it does."""
     if not isinstance(getattr(norm, "weight", None), Tensor):
         return f"{type(norm).__name__} has no weight tensor"
     if not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
         return f"{type(norm).__name__} has no numeric {kind.eps_attr}"
-    if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, None), Tensor):
-        return f"{type(norm).__name__} has no {kind.bias_attr} tensor"
+    if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, ()), (Tensor, type(None))):
+        return f"{type(norm).__name__}.{kind.bias_attr} is neither a tensor nor None"
     return None
 
 

@@ -1,0 +1,26 @@
+"""The kernel library: fused add + norm kernels, their launcher, a PyTorch reference and the functional API.
+
+``modes`` (the casting orders, as data) -> ``reference`` (the maths in PyTorch) and ``kernels`` (the same maths
+in Triton) -> ``launch`` (block sizes, allocation, launches) -> ``functional`` (custom ops, autograd and the
+public functions); ``backend`` decides which implementation runs. Nothing here knows about transformers.
+
+Importing this package defines no Triton kernel (see ``backend``): the functional API is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .modes import MODES
+
+if TYPE_CHECKING:
+    from .functional import fused_add_rms_norm, rms_norm
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "MODES"]
+
+
+def __getattr__(name: str):
+    if name in ("rms_norm", "fused_add_rms_norm"):
+        return getattr(importlib.import_module(".functional", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

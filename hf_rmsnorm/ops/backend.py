@@ -1,0 +1,111 @@
+"""Which implementation runs a norm, and the set-up of Triton's CPU interpreter: the one place that decides.
+
+Three implementations share one semantics (the modes of ``modes.py``):
+
+* the Triton kernels, compiled for the GPU, on CUDA and ROCm tensors (torch calls both devices ``cuda``);
+* the same kernels in Triton's CPU interpreter, on CPU tensors, in a process set up for it with
+  ``configure("cpu")``: slow (one program at a time, in numpy), but the very kernel code a GPU runs, which is
+  how the tests and the scripts check the kernels on a machine without a GPU;
+* otherwise the PyTorch implementation of ``reference.py``: CPU tensors in a process not set up for the
+  interpreter, and dtypes the kernels do not load (fp64).
+
+Triton chooses between compiling and interpreting when a kernel is *defined*, from the environment variable
+``TRITON_INTERPRET``, so the choice must be made before ``hf_rmsnorm.ops.kernels`` is imported. Importing
+``hf_rmsnorm`` defines no kernel (the package imports its parts on first use); call ``configure`` first.
+
+The interpreter converts fp32 to bf16 by truncation, where GPUs and PyTorch round to nearest even, so every bf16
+output would be up to an ulp further from the truth than on a GPU and bitwise comparisons with Hugging Face's
+eager modules would mean nothing. ``configure("cpu")`` therefore also makes the interpreter round as a GPU does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import numpy as np
+import torch
+
+INTERPRETER_ENV = "TRITON_INTERPRET"
+# dtypes the kernels load; anything else (fp64) takes the PyTorch path, which Hugging Face's maths also uses.
+KERNEL_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32))
+_KERNELS_MODULE = f"{__package__}.kernels"
+
+
+def configure(device: str | torch.device) -> None:
+    """Sets this process up so the kernels run for ``device``: compiled on a GPU (any device but ``cpu``), in
+    Triton's interpreter with GPU rounding on the CPU. Call it before the first norm runs.
+
+    Raises:
+        RuntimeError: the kernels were already defined the other way (a norm ran, or ``hf_rmsnorm.ops.kernels``
+            was imported, before this call).
+    """
+    interpret = torch.device(device).type == "cpu"
+    if _KERNELS_MODULE in sys.modules and kernels_interpreted() != interpret:
+        defined = "for Triton's interpreter" if kernels_interpreted() else "for a GPU"
+        raise RuntimeError(
+            f"hf_rmsnorm's kernels were already defined {defined}: call hf_rmsnorm.ops.backend.configure("
+            f"{str(device)!r}) before the first norm runs (Triton reads {INTERPRETER_ENV} when a kernel is defined)"
+        )
+    if interpret:
+        os.environ[INTERPRETER_ENV] = "1"
+        if not round_bf16_to_nearest_even():
+            raise RuntimeError("this Triton version's interpreter cannot be made to round bf16 to nearest even")
+    else:
+        os.environ.pop(INTERPRETER_ENV, None)
+
+
+@functools.cache
+def kernels_interpreted() -> bool:
+    """Whether the kernels are defined for Triton's interpreter (defines them, if no norm has run yet)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels import norm_fwd_kernel
+
+    return isinstance(norm_fwd_kernel, InterpretedFunction)
+
+
+def runs_kernels(*tensors: torch.Tensor | None) -> bool:
+    """Whether a norm of these tensors (the first one decides the device) runs the Triton kernels, compiled or
+    interpreted; if not, it runs the PyTorch implementation."""
+    device = tensors[0].device.type
+    if device != "cuda" and not (device == "cpu" and kernels_interpreted()):
+        return False
+    return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
+
+
+def describe(device: str | torch.device) -> str:
+    """One line saying what runs the norms of tensors on ``device``, for logs and reports."""
+    if torch.device(device).type == "cuda":
+        return "Triton kernels on the GPU"
+    if torch.device(device).type == "cpu" and kernels_interpreted():
+        return "Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1): exact but slow, no speed figures"
+    return f"no GPU and no interpreter: the PyTorch implementation with the kernels' semantics on {device}"
+
+
+def round_bf16_to_nearest_even() -> bool:
+    """Makes the interpreter's fp32 -> bf16 conversion round as PyTorch and GPUs do. Idempotent.
+
+    Returns False (and changes nothing) when the installed Triton has no interpreter builder to patch.
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    original = getattr(builder, "cast_impl", None)
+    if original is None or not hasattr(interpreter, "TensorHandle"):
+        return False
+    if getattr(original, "rounds_bf16_to_nearest_even", False):
+        return True
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            values = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return original(self, src, dst_type)
+
+    cast_impl.rounds_bf16_to_nearest_even = True
+    builder.cast_impl = cast_impl
+    return True

@@ -1,0 +1,92 @@
+"""The casting modes of the norm kernels, as data: one row per family of Hugging Face norm ``forward`` bodies.
+
+A mode says in which order a norm rounds and which dtype it returns; the Triton kernels, their launcher and the
+PyTorch reference all read this table, so a mode is described here and nowhere else. The maths of every mode
+(``x`` the norm's input, ``w`` the weight, ``b`` an optional bias, all reductions in fp32)::
+
+    n = s * rsqrt(mean(s^2) + eps),   s = x.float()            (s = x.float() - mean(x.float()) if centre)
+    llama:        y = w * n.to(x.dtype)  (+ b)                 output dtype: torch promotion of x, w (and b)
+    gemma:        y = (n * (1 + w.float())).to(x.dtype)         output dtype: x.dtype
+    fp32_affine:  y = (n * w.float() (+ b.float())).to(x.dtype) output dtype: x.dtype
+    layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
+
+``docs/numerics.md`` explains which models use which mode and why the order of the roundings matters.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One casting order.
+
+    Attributes:
+        name: what callers pass as ``mode=``.
+        cast_before_weight: the normalised row is rounded to the input dtype before the weight multiplies it
+            (Llama), instead of the product being rounded once at the end in fp32 (Gemma, OLMo2, LayerNorm).
+        weight_offset: added to the weight in fp32 before it scales the row (Gemma's ``1 + w``).
+        centre: the row mean is subtracted first (LayerNorm); the mean is then saved for the backward too.
+        promotes_output: the output dtype follows torch's promotion of the input, weight and bias dtypes
+            (Llama's ``weight * n`` with an fp32 weight returns fp32); otherwise it is the input dtype.
+    """
+
+    name: str
+    cast_before_weight: bool = False
+    weight_offset: float = 0.0
+    centre: bool = False
+    promotes_output: bool = False
+
+    def __post_init__(self) -> None:
+        # The kernels add the offset in fp32 and the rounded-row path multiplies in the promoted dtype: no Hugging
+        # Face body combines the two, and the kernels do not either.
+        if self.cast_before_weight and self.weight_offset:
+            raise ValueError(f"mode {self.name!r}: a weight offset needs the product in fp32")
+
+    @functools.cached_property
+    def kernel_flags(self) -> dict[str, object]:
+        """The constexpr arguments of the Triton kernels that select this mode (built once: launches are
+        host-bound at decode sizes)."""
+        return {"CAST_BEFORE_WEIGHT": self.cast_before_weight, "WEIGHT_OFFSET": self.weight_offset,
+                "CENTER": self.centre}
+
+    def output_dtype(
+        self, norm_dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.dtype:
+        """The dtype Hugging Face's module returns for an input of ``norm_dtype``."""
+        if not self.promotes_output:
+            return norm_dtype
+        dtype = torch.promote_types(weight.dtype, norm_dtype)
+        return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
+
+    def stats_shape(self, shape: torch.Size) -> tuple[int, ...]:
+        """Shape of the per-row statistics the backward reads: ``rstd``, stacked with the means when centring."""
+        return (2, *shape[:-1]) if self.centre else tuple(shape[:-1])
+
+
+MODES: dict[str, Mode] = {
+    mode.name: mode
+    for mode in (
+        Mode("llama", cast_before_weight=True, promotes_output=True),
+        Mode("gemma", weight_offset=1.0),
+        Mode("fp32_affine"),
+        Mode("layernorm", centre=True),
+    )
+}
+
+
+def get_mode(name: str) -> Mode:
+    """The mode called ``name``; a ``ValueError`` naming the valid ones otherwise."""
+    mode = MODES.get(name)
+    if mode is None:
+        raise ValueError(f"unknown mode {name!r}: use one of {', '.join(MODES)}")
+    return mode
+
+
+def sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the norm's input: ``residual + x`` as torch promotes it, or ``x``'s."""
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)

@@ -1,0 +1,87 @@
+"""Pure-PyTorch norm with exactly the semantics of the Triton kernels, mode by mode (see ``modes.py``).
+
+This is the implementation that runs on CPU tensors when Triton's interpreter is off (``backend.py`` decides),
+and it spells out the numerics the kernels follow. Tests never use it as their only oracle: they compare the
+kernels against fp64 maths and against Hugging Face's own modules as well.
+
+The forward also returns per-row statistics for the backward: ``rstd`` (fp32, shape ``x.shape[:-1]``), stacked
+with the row means in a centring mode (``"layernorm"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .modes import get_mode
+
+
+def forward_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(y, norm_input, stats)``; ``norm_input`` is ``residual + x`` rounded as torch rounds it."""
+    m = get_mode(mode)
+    norm_input = x if residual is None else residual + x
+    s = norm_input.float()
+    if m.centre:
+        mean = s.mean(-1, keepdim=True)
+        s = s - mean
+    rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+    n = s * rstd
+    if m.cast_before_weight:
+        # The product (and the bias add) round in the dtype torch promotes them to, as the eager module's do.
+        y = weight * n.to(norm_input.dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = n * (weight.float() + m.weight_offset)
+        if bias is not None:
+            y = y + bias.float()
+    y = y.to(m.output_dtype(norm_input.dtype, weight, bias))
+    stats = rstd.squeeze(-1)
+    if m.centre:
+        stats = torch.stack([stats, mean.squeeze(-1)])
+    return y, norm_input, stats
+
+
+def backward_reference(
+    dy: torch.Tensor,
+    dsum: torch.Tensor | None,
+    norm_input: torch.Tensor,
+    stats: torch.Tensor,
+    weight: torch.Tensor,
+    has_bias: bool,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients in fp32: ``(d norm_input, dweight, dbias)``; the caller casts them to the input dtypes.
+
+    ``dsum`` is the gradient arriving at the ``new_residual`` output; it is folded into the input gradient.
+    The cast of the normalised row to the input dtype (``cast_before_weight`` modes) has an identity gradient, as in
+    autograd, but the weight gradient sees the rounded row the forward multiplied.
+    """
+    m = get_mode(mode)
+    n_cols = norm_input.shape[-1]
+    s = norm_input.float()
+    if m.centre:
+        rstd, mean = stats
+        s = s - mean.unsqueeze(-1)
+    else:
+        rstd = stats
+    r = rstd.unsqueeze(-1)
+    n = s * r
+    g = dy.float() * (weight.float() + m.weight_offset)
+    dx = g - n * (g * n).mean(-1, keepdim=True)
+    if m.centre:
+        dx = dx - g.mean(-1, keepdim=True)
+    dx = r * dx
+    if dsum is not None:
+        dx = dx + dsum.float()
+    n_weighted = n.to(norm_input.dtype).float() if m.cast_before_weight else n
+    dy2 = dy.float().reshape(-1, n_cols)
+    dweight = (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
+    dbias = dy2.sum(0) if has_bias else None
+    return dx, dweight, dbias

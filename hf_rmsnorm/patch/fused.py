@@ -1,0 +1,171 @@
+"""The fused behaviour of patched modules: norms that take a residual, one generic pre-norm layer body (and its
+parallel variant), and stacks that let their layers hand the next norm over (``handoff.py``).
+
+A patched module keeps its object, parameters and attribute paths; only its class changes, to a subclass of
+the original made here (cached, same ``__name__``, ``__qualname__`` and ``__module__``) whose ``forward`` calls
+the kernels. ``isinstance`` checks and lookups by class name (FSDP, ``_no_split_modules``, output recorders)
+see the original class, and ``GradientCheckpointingLayer`` wraps the new ``forward`` like any subclass's.
+A patched module holds no reference to any other module, so copying one copies nothing else; the links from
+each layer to the next norm live on the stack that owns both.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..ops import fused_add_rms_norm, rms_norm
+from . import handoff
+from .families import LayerKind, NormKind, StackKind
+
+_FUSED: dict[tuple[type, NormKind | LayerKind | StackKind], type] = {}
+# Instance attribute of a patched stack: layer -> handoff.NextNorm.
+LINKS_ATTR = "_hf_rmsnorm_links"
+
+
+def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
+    """The fused subclass of ``base`` for ``kind``, created once per pair."""
+    cls = _FUSED.get((base, kind))
+    if cls is None:
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "__reduce_ex__": _reduce_ex,
+            "_hf_rmsnorm_base": base,
+            "_hf_rmsnorm_kind": kind,
+        }
+        if isinstance(kind, NormKind):
+            namespace["forward"] = _norm_forward
+        elif isinstance(kind, StackKind):
+            # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
+            namespace.update(forward=_stack_forward, _hf_rmsnorm_checked_forward=staticmethod(base.forward))
+        else:
+            namespace["forward"] = _parallel_layer_forward if kind.parallel else _layer_forward
+        cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
+    return cls
+
+
+def original_class(module: nn.Module) -> type | None:
+    """The class a patched module had before patching, or ``None`` if ``module`` is not patched."""
+    return type(module).__dict__.get("_hf_rmsnorm_base")
+
+
+def _reduce_ex(self, protocol):
+    # The fused class's qualified name is the original's, so pickle cannot find it by name: pickle the original
+    # class and the kind instead and rebuild the fused class on load (also what copy.deepcopy goes through).
+    cls = type(self)
+    if original_class(self) is None:
+        # A subclass made on top of ours (FSDP2 makes one per wrapped module) keeps the default behaviour.
+        return object.__reduce_ex__(self, protocol)
+    return _new_fused, (cls._hf_rmsnorm_base, cls._hf_rmsnorm_kind), self.__getstate__()
+
+
+def _new_fused(base: type, kind: NormKind | LayerKind | StackKind) -> nn.Module:
+    cls = fused_class(base, kind)
+    return cls.__new__(cls)
+
+
+def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None):
+    """``norm(hidden_states)``, or with ``residual`` the pair ``(norm(residual + hidden_states), residual +
+    hidden_states)`` from one kernel."""
+    kind: NormKind = self._hf_rmsnorm_kind
+    eps = getattr(self, kind.eps_attr)
+    bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
+    if residual is not None:
+        return fused_add_rms_norm(hidden_states, residual, self.weight, eps, bias=bias, mode=kind.mode)
+    normed = handoff.take(self, hidden_states)
+    if normed is not None:
+        return normed
+    return rms_norm(hidden_states, self.weight, eps, bias=bias, mode=kind.mode)
+
+
+def _stack_forward(self, *args, **kwargs):
+    """The stack's own forward, inside a handoff scope when its layers may hand off (``handoff.py``)."""
+    cls = type(self)
+    forward = cls._hf_rmsnorm_base.forward
+    if forward is not cls._hf_rmsnorm_checked_forward or not handoff.handoff_possible():
+        return forward(self, *args, **kwargs)
+    token = handoff.enter(self.__dict__[LINKS_ATTR])
+    try:
+        return forward(self, *args, **kwargs)
+    finally:
+        handoff.leave(token)
+
+
+def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The sequential pre-norm decoder layer of ``LayerKind``, with the residual adds inside the norm kernels."""
+    kind: LayerKind = self._hf_rmsnorm_kind
+    residual = hidden_states
+    hidden_states = _attend(self, kind, getattr(self, kind.input_norm)(hidden_states), args, kwargs)
+
+    post_attention_norm = getattr(self, kind.post_attention_norm)
+    if _dropout_active(self, kind.attention_dropout):
+        residual = residual + _scaled(self, kind, getattr(self, kind.attention_dropout)(hidden_states))
+        hidden_states = post_attention_norm(residual)
+    else:
+        hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
+    hidden_states = getattr(self, kind.mlp)(hidden_states)
+
+    if _dropout_active(self, kind.mlp_dropout):
+        return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
+    return _add_residual(self, _scaled(self, kind, hidden_states), residual)
+
+
+def _parallel_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The parallel pre-norm block of ``LayerKind`` (both branches read the same input): the original's calls
+    in the original's order (the dropouts draw random numbers), then ``(attention + mlp) + residual``, whose
+    add goes into the next norm's kernel in inference (the branch sum is computed first, as the original does;
+    NeoX's ``mlp + attention`` is the same IEEE sum)."""
+    kind: LayerKind = self._hf_rmsnorm_kind
+    residual = hidden_states
+    normed = getattr(self, kind.input_norm)(hidden_states)
+    attention = _dropped(self, kind.attention_dropout, _attend(self, kind, normed, args, kwargs))
+    if kind.post_attention_norm is not None:
+        normed = getattr(self, kind.post_attention_norm)(residual)
+    mlp = _dropped(self, kind.mlp_dropout, getattr(self, kind.mlp)(normed))
+    return _add_residual(self, attention + mlp, residual)
+
+
+def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    """The attention branch: every layer argument but the hidden states goes to the attention by name, as the
+    original forward passes it; the normed states by ``kind.attention_input`` (or positionally)."""
+    if args:
+        names = kind.forward_params[1:]
+        if len(args) > len(names):
+            raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
+        kwargs.update(zip(names, args))
+    attention = getattr(layer, kind.attention)
+    if kind.attention_input is None:
+        output, _ = attention(normed, **kwargs)
+    else:
+        output, _ = attention(**{kind.attention_input: normed}, **kwargs)
+    return output
+
+
+def _add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
+    """``residual + branch``, the layer's output; in inference, when allowed, from the next norm's kernel, which
+    also computes that norm of it and hands it over (``handoff.py``)."""
+    target = handoff.target_of(layer, branch)
+    if target is None:
+        return residual + branch
+    normed, hidden_states = target.norm(branch, residual=residual)
+    handoff.put(target.norm, hidden_states, normed)
+    return hidden_states
+
+
+def _dropped(layer: nn.Module, name: str | None, branch: Tensor) -> Tensor:
+    # Called whenever the original calls it (active or not), so the random stream is the original's.
+    return branch if name is None else getattr(layer, name)(branch)
+
+
+def _scaled(layer: nn.Module, kind: LayerKind, branch: Tensor) -> Tensor:
+    # Rounded to the branch's dtype before the add, exactly as `residual + h * multiplier` rounds.
+    return branch if kind.residual_scale is None else branch * getattr(layer, kind.residual_scale)
+
+
+def _dropout_active(layer: nn.Module, name: str | None) -> bool:
+    """A residual dropout that would change its input (a fused add is exact only when it would not)."""
+    if name is None:
+        return False
+    dropout = getattr(layer, name)
+    return dropout.training and dropout.p > 0

@@ -1,0 +1,60 @@
+"""What ``patch_model`` returns (``PatchReport``) and raises when it changes nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class UnsupportedModelError(ValueError):
+    """``patch_model`` found nothing it can patch exactly; the model was left untouched."""
+
+
+class UnconvertibleModelError(UnsupportedModelError):
+    """``patch_model(model, layernorm="rmsnorm")`` cannot convert the model's LayerNorms to RMSNorm exactly (a
+    post-LN model such as BERT or OPT-350m, fp16/bf16 writers, an unknown stack); the model was left untouched."""
+
+
+@dataclass
+class PatchReport:
+    """What ``patch_model`` changed.
+
+    Attributes:
+        norms: qualified names of the norm modules now running the kernels.
+        fused_adds: the residual adds now computed inside a norm kernel, one line per add.
+        skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
+            whose residual adds stay unfused.
+        families: the model families whose norms were patched.
+        converted: the ``nn.LayerNorm`` modules converted to RMSNorm (``layernorm="rmsnorm"`` only; also listed
+            in ``norms``). By default LayerNorms stay LayerNorms, computed by the fused kernels.
+        centred: the parameters the conversion to RMSNorm changed (centred once, when patching).
+        centred_inputs: the layers whose input the conversion centres on every forward (the stream's entrance).
+    """
+
+    norms: list[str] = field(default_factory=list)
+    fused_adds: list[str] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    families: list[str] = field(default_factory=list)
+    converted: list[str] = field(default_factory=list)
+    centred: list[str] = field(default_factory=list)
+    centred_inputs: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        families = f" ({', '.join(self.families)})" if self.families else ""
+        lines = [
+            f"hf_rmsnorm: {len(self.norms)} norms patched{families}, {len(self.fused_adds)} residual adds fused, "
+            f"{len(self.skipped)} skipped"
+        ]
+        if self.converted:
+            lines[0] += f"; {len(self.converted)} LayerNorms converted to RMSNorm"
+        for title, items in (
+            ("norms", self.norms),
+            ("LayerNorms converted to RMSNorm", self.converted),
+            ("parameters centred (once, by the conversion)", self.centred),
+            ("inputs centred on every forward (by the conversion)", self.centred_inputs),
+            ("fused residual adds", self.fused_adds),
+            ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
+        ):
+            if items:
+                lines.append(f"  {title}:")
+                lines.extend(f"    {item}" for item in items)
+        return "\n".join(lines)
