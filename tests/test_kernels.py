@@ -9,6 +9,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm
+from hf_rmsnorm.ops import reference
+from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
 
 pytestmark = pytest.mark.skipif(
@@ -220,6 +222,29 @@ def test_bias_on_a_zero_mean_stream_equals_layer_norm(n_cols):
     exact = _grads(_fp64_reference(inputs64[0], None, inputs64[1], inputs64[2], "fp32_affine"), inputs64, (dy.double(),))
     for a, b in zip(ours, exact):
         assert _max_err(a, b) <= 1e-5 * max(1.0, b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_the_pytorch_fallback_has_the_kernels_semantics(mode, dtype):
+    """reference.py is what runs where the kernels do not (CPU without the interpreter, fp64): the same modes
+    table drives it, so it returns the kernels' dtypes and sums bitwise and their outputs and gradients up to
+    the reduction order (an ulp of the output dtype)."""
+    x, r = _randn(9, 96, dtype=dtype, seed=40), _randn(9, 96, dtype=dtype, seed=41) + 0.5
+    weight, bias = _randn(96, dtype=dtype, scale=0.5, seed=42), _randn(96, dtype=dtype, seed=43)
+    x, r, weight, bias = (t.requires_grad_() for t in (x, r, weight, bias))
+    y, s = fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)
+    y_ref, s_ref, stats = reference.forward_reference(x.detach(), r.detach(), weight.detach(), bias.detach(), EPS,
+                                                      mode)
+    assert torch.equal(s, s_ref) and y.dtype == y_ref.dtype
+    assert _max_err(y, y_ref) <= torch.finfo(y.dtype).eps * y_ref.abs().max().item()
+
+    dy, dsum = _randn(9, 96, dtype=y.dtype, seed=44), _randn(9, 96, dtype=dtype, seed=45)
+    dx, dr, dw, db = _grads((y, s), (x, r, weight, bias), (dy, dsum))
+    dx_ref, dw_ref, db_ref = reference.backward_reference(dy, dsum, s_ref, stats, weight.detach(), True, mode)
+    assert torch.equal(dx, dr)
+    for ours, ref in ((dx, dx_ref), (dw, dw_ref), (db, db_ref)):
+        assert _max_err(ours, ref) <= 4 * torch.finfo(ours.dtype).eps * ref.abs().max().item()
 
 
 def test_llama_mode_with_bias_rounds_like_eager():

@@ -138,6 +138,18 @@ def test_conversion_to_rmsnorm_is_exact_and_reports_every_changed_weight(family)
 
 @pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
 @pytest.mark.parametrize("family", FAMILIES)
+def test_fp64_models_are_exact(family, layernorm):
+    """fp64 runs the PyTorch implementation, which normalises LayerNorms in fp64 as nn.LayerNorm does: both the
+    fused LayerNorm and the conversion reproduce the model to rounding (the conversion's exactness, measured)."""
+    model = tiny(family, torch.float64)
+    x = ids()
+    expected = logits(model, x)
+    patch_model(model, layernorm=layernorm)
+    assert err(logits(model, x), expected) <= 1e-14 * expected.abs().max().item()
+
+
+@pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_is_identical_in_fp32(family, layernorm):
     model = tiny(family)
     x = ids(batch=1, seq=5)
@@ -209,7 +221,7 @@ def test_training_matches_the_unpatched_model_then_inference_and_conversion_stay
     # Once training is done, the trained model converts exactly.
     unpatch_model(model)
     report = patch_model(model, layernorm="rmsnorm")
-    assert report.converted and all(type(model.get_submodule(n))._hf_rmsnorm_kind.mode == "fp32_affine"
+    assert report.converted and all(type(model.get_submodule(n))._hf_rmsnorm_kind.mode == "layernorm_as_rmsnorm"
                                     for n in report.converted)
     assert err(logits(model, x), truth) <= 1e-4 * truth.abs().max().item()
 

@@ -32,7 +32,7 @@ def _fake_forward(x, residual, weight, bias, mode):
     m = get_mode(mode)
     norm_dtype = sum_dtype(x, residual)
     y = x.new_empty(x.shape, dtype=m.output_dtype(norm_dtype, weight, bias))
-    stats = x.new_empty(m.stats_shape(x.shape), dtype=torch.float32)
+    stats = x.new_empty(m.stats_shape(x.shape), dtype=m.compute_dtype(norm_dtype))
     return y, x.new_empty(x.shape, dtype=norm_dtype), stats
 
 

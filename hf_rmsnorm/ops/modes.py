@@ -9,6 +9,10 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
     gemma:        y = (n * (1 + w.float())).to(x.dtype)         output dtype: x.dtype
     fp32_affine:  y = (n * w.float() (+ b.float())).to(x.dtype) output dtype: x.dtype
     layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
+    layernorm_as_rmsnorm:  layernorm without the mean (a LayerNorm converted to RMSNorm)
+
+The LayerNorm modes normalise an fp64 input in fp64, as ``nn.LayerNorm`` does; the others in fp32, as Hugging
+Face's RMSNorm bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
 
 ``docs/numerics.md`` explains which models use which mode and why the order of the roundings matters.
 """
@@ -33,6 +37,7 @@ class Mode:
         centre: the row mean is subtracted first (LayerNorm); the mean is then saved for the backward too.
         promotes_output: the output dtype follows torch's promotion of the input, weight and bias dtypes
             (Llama's ``weight * n`` with an fp32 weight returns fp32); otherwise it is the input dtype.
+        keeps_fp64: an fp64 input is normalised in fp64 (``nn.LayerNorm``), not in fp32.
     """
 
     name: str
@@ -40,6 +45,7 @@ class Mode:
     weight_offset: float = 0.0
     centre: bool = False
     promotes_output: bool = False
+    keeps_fp64: bool = False
 
     def __post_init__(self) -> None:
         # The kernels add the offset in fp32 and the rounded-row path multiplies in the promoted dtype: no Hugging
@@ -63,6 +69,10 @@ class Mode:
         dtype = torch.promote_types(weight.dtype, norm_dtype)
         return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
 
+    def compute_dtype(self, norm_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the row is normalised in, which is also the dtype of the saved statistics."""
+        return torch.float64 if self.keeps_fp64 and norm_dtype == torch.float64 else torch.float32
+
     def stats_shape(self, shape: torch.Size) -> tuple[int, ...]:
         """Shape of the per-row statistics the backward reads: ``rstd``, stacked with the means when centring."""
         return (2, *shape[:-1]) if self.centre else tuple(shape[:-1])
@@ -74,7 +84,8 @@ MODES: dict[str, Mode] = {
         Mode("llama", cast_before_weight=True, promotes_output=True),
         Mode("gemma", weight_offset=1.0),
         Mode("fp32_affine"),
-        Mode("layernorm", centre=True),
+        Mode("layernorm", centre=True, keeps_fp64=True),
+        Mode("layernorm_as_rmsnorm", keeps_fp64=True),
     )
 }
 

@@ -26,7 +26,8 @@ def forward_reference(
     """Returns ``(y, norm_input, stats)``; ``norm_input`` is ``residual + x`` rounded as torch rounds it."""
     m = get_mode(mode)
     norm_input = x if residual is None else residual + x
-    s = norm_input.float()
+    compute = m.compute_dtype(norm_input.dtype)
+    s = norm_input.to(compute)
     if m.centre:
         mean = s.mean(-1, keepdim=True)
         s = s - mean
@@ -38,9 +39,9 @@ def forward_reference(
         if bias is not None:
             y = y + bias
     else:
-        y = n * (weight.float() + m.weight_offset)
+        y = n * (weight.to(compute) + m.weight_offset)
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(compute)
     y = y.to(m.output_dtype(norm_input.dtype, weight, bias))
     stats = rstd.squeeze(-1)
     if m.centre:
@@ -57,7 +58,8 @@ def backward_reference(
     has_bias: bool,
     mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients in fp32: ``(d norm_input, dweight, dbias)``; the caller casts them to the input dtypes.
+    """Gradients in the mode's compute dtype: ``(d norm_input, dweight, dbias)``; the caller casts them to the
+    input dtypes.
 
     ``dsum`` is the gradient arriving at the ``new_residual`` output; it is folded into the input gradient.
     The cast of the normalised row to the input dtype (``cast_before_weight`` modes) has an identity gradient, as in
@@ -65,7 +67,8 @@ def backward_reference(
     """
     m = get_mode(mode)
     n_cols = norm_input.shape[-1]
-    s = norm_input.float()
+    compute = m.compute_dtype(norm_input.dtype)
+    s = norm_input.to(compute)
     if m.centre:
         rstd, mean = stats
         s = s - mean.unsqueeze(-1)
@@ -73,15 +76,15 @@ def backward_reference(
         rstd = stats
     r = rstd.unsqueeze(-1)
     n = s * r
-    g = dy.float() * (weight.float() + m.weight_offset)
+    g = dy.to(compute) * (weight.to(compute) + m.weight_offset)
     dx = g - n * (g * n).mean(-1, keepdim=True)
     if m.centre:
         dx = dx - g.mean(-1, keepdim=True)
     dx = r * dx
     if dsum is not None:
-        dx = dx + dsum.float()
-    n_weighted = n.to(norm_input.dtype).float() if m.cast_before_weight else n
-    dy2 = dy.float().reshape(-1, n_cols)
+        dx = dx + dsum.to(compute)
+    n_weighted = n.to(norm_input.dtype).to(compute) if m.cast_before_weight else n
+    dy2 = dy.to(compute).reshape(-1, n_cols)
     dweight = (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
     dbias = dy2.sum(0) if has_bias else None
     return dx, dweight, dbias

@@ -10,8 +10,8 @@ afterwards (LoRA, merges, ``.data`` updates, casts, ``torch.compile``).
 **Explicit, ``layernorm="rmsnorm"``: a one-time conversion to an RMSNorm model.** With ``C = I - 11^T/d``,
 ``LN(Ch) = LN(h)``, and on a zero-mean row a LayerNorm *is* an RMSNorm with the same weight, bias and eps. In a
 pre-LN decoder every reader of the residual stream is a LayerNorm, so once everything writing into the stream
-is mean-free, the stream stays zero-mean and each LayerNorm may run as an RMSNorm (``"fp32_affine"`` mode, which
-skips the mean). When ``patch_model`` is called, and never again:
+is mean-free, the stream stays zero-mean and each LayerNorm may run as an RMSNorm (the ``"layernorm_as_rmsnorm"``
+mode, which skips the mean). When ``patch_model`` is called, and never again:
 
 * the attention output and MLP down projections of every layer are centred in place, in fp64 arithmetic,
   stored in their dtype (``nn.Linear``: ``W -= W.mean(0)``; GPT-2's ``Conv1D``: ``W -= W.mean(1)``;

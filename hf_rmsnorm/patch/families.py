@@ -35,7 +35,7 @@ class NormKind:
 # that get one of these (``ResidualStream.norms``). The default is the exact fused add + LayerNorm of the kernels;
 # the explicit conversion of a pre-LN model to RMSNorm (``hf_rmsnorm.patch.conversion``) uses the second.
 LAYERNORM = NormKind("torch.nn.modules.normalization.LayerNorm", eps_attr="eps", mode="layernorm", bias_attr="bias")
-LAYERNORM_AS_RMSNORM = dataclasses.replace(LAYERNORM, mode="fp32_affine")
+LAYERNORM_AS_RMSNORM = dataclasses.replace(LAYERNORM, mode="layernorm_as_rmsnorm")
 
 
 @dataclass(frozen=True)
