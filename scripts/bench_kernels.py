@@ -1,521 +1,57 @@
 """Times fused add + RMSNorm (forward, backward, forward+backward) on a GPU against the alternatives a Hugging
-Face model could use, and reports each time as achieved bandwidth and as a fraction of the card's copy bandwidth.
-
-Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` and returning ``(y, s)``:
-
-* ``hf_rmsnorm``: this package's ``fused_add_rms_norm``.
-* ``hf_eager``: transformers' ``LlamaRMSNorm`` module after a separate add (what an unpatched model runs).
-* ``torch_rms_norm``: ``torch.nn.functional.rms_norm`` after a separate add.
-* ``torch_compile``: ``torch.compile`` of the ``hf_eager`` function, add included (recompiled per shape).
-* ``liger``: Liger-Kernel's ``LigerFusedAddRMSNorm`` (skipped when ``liger_kernel`` is not installed; a release
-  without it gets an error row).
-
-Method: inputs are flushed from L2 before every timed run (small problems otherwise time L2, not memory),
-each run is timed with CUDA events after a warm-up, the median of the repeats is reported, and problems of
-at most ``GRAPH_MAX_ROWS`` rows replay a CUDA graph, so that host launch overhead is measured as a model under
-CUDA graphs would see it. The backward is timed alone: the forward runs once, untimed, and each timed run is
-``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True)``.
-
-Launch cost (the decode regime): an empty Triton kernel's launch against ``fused_add_rms_norm`` on 1-64 rows,
-as GPU time under a CUDA graph and as host time per eager call, with the goal "empty launch + 2 us".
-
-Without a GPU the script says so and exits 0. The full default sweep takes a long time, mostly torch.compile
-recompiling for every shape: restrict it with ``--rows``, ``--hidden``, ``--ops`` and ``--phases``. With ``--json``
-the file is rewritten after every shape, so a run cut short keeps what it measured.
-
-Usage::
+Face model could use, as achieved bandwidth and as a fraction of the card's copy bandwidth.
 
     python scripts/bench_kernels.py --json bench.json --plot bench.png
     python scripts/bench_kernels.py --rows 16384 --hidden 4096 --ops hf_rmsnorm hf_eager --phases fwd
+
+Exit status: 0 (also without a GPU, after saying so), 2 bad input (one line on stderr, no traceback).
+The work is done by hf_rmsnorm.tools.kernel_bench, which also explains the method; this file only reads the
+command line.
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import importlib.util
-import json
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
 
-import torch
+# Lets the script run from a checkout that was not pip-installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PHASES = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("hf_rmsnorm", "hf_eager", "torch_rms_norm", "torch_compile", "liger")
-DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
-DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 65536)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-EPS = 1e-6
-# Up to this many rows a call is launch-bound; a CUDA graph removes the Python/launch overhead from the time.
-GRAPH_MAX_ROWS = 256
-# The flush buffer is at least this big even if the card does not report its L2 size (covers B200's 126 MB x2).
-MIN_FLUSH_BYTES = 256 * 2**20
-# Copy-bandwidth probe: big enough that L2 and launch latency do not count.
-COPY_PROBE_BYTES = 2 * 2**30
-# Activation-sized tensors a shape needs (x, residual, y, sum, dy, dsum, dx, dresidual), plus the fp32
-# activation-sized temporaries the eager module saves or makes in its backward: only used to skip hopeless shapes.
-ACTIVATION_TENSORS = 8
-FP32_TEMPORARIES = 4
+import torch  # noqa: E402
 
-# Runs a callable once and returns the seconds it took.
-Clock = Callable[[Callable[[], Any]], float]
+from hf_rmsnorm.ops import backend  # noqa: E402
+from hf_rmsnorm.tools import cli, kernel_bench  # noqa: E402  (define no kernel)
 
 
-# ------------------------------------------------------------------------------------------ traffic maths
-
-
-def min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight_bytes: int) -> int:
-    """Bytes the phase must move at the least.
-
-    Forward: read ``x`` and ``residual``, write ``y`` and the sum, read the weight. Backward: read ``dy``, the
-    saved sum and the gradient reaching the sum, write the input gradient (shared by ``x`` and ``residual``),
-    read the weight and write its gradient. The per-row fp32 ``rstd`` is left out (under 0.1% at hidden 896)."""
-    activations = 4 * rows * hidden * act_bytes
-    forward = activations + hidden * weight_bytes
-    backward = activations + 2 * hidden * weight_bytes
-    return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[phase]
-
-
-def copy_traffic_bytes(nbytes: int) -> int:
-    """A device-to-device copy of ``nbytes`` reads and writes each byte once."""
-    return 2 * nbytes
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    """Achieved bandwidth in GB/s (10^9 bytes, as datasheets count)."""
-    return nbytes / seconds / 1e9
-
-
-def fits_in_memory(rows: int, hidden: int, act_bytes: int, free_bytes: int) -> bool:
-    """Whether a shape plausibly fits; out-of-memory errors are still caught for the shapes that pass."""
-    return rows * hidden * (ACTIVATION_TENSORS * act_bytes + FP32_TEMPORARIES * 4) <= free_bytes
-
-
-@dataclass
-class Result:
-    """One timed (implementation, phase, shape). ``seconds`` is None unless ``status`` is ``"ok"``."""
-
-    impl: str
-    phase: str
-    rows: int
-    hidden: int
-    dtype: str
-    status: str
-    seconds: float | None = None
-    traffic_bytes: int = 0
-    gbps: float | None = None
-    copy_fraction: float | None = None
-    cuda_graph: bool = False
-
-
-def make_result(impl: str, phase: str, rows: int, hidden: int, dtype: str, seconds: float, act_bytes: int,
-                weight_bytes: int, copy_gbps: float, cuda_graph: bool) -> Result:
-    """A successful measurement with its bandwidth and its fraction of the copy bandwidth."""
-    nbytes = min_traffic_bytes(phase, rows, hidden, act_bytes, weight_bytes)
-    achieved = gbps(nbytes, seconds)
-    return Result(impl, phase, rows, hidden, dtype, "ok", seconds, nbytes, achieved, achieved / copy_gbps, cuda_graph)
-
-
-# ------------------------------------------------------------------------------------------ timing harness
-
-
-def time_callable(fn: Callable[[], Any], *, clock: Clock, flush: Callable[[], Any], warmup: int,
-                  repeats: int) -> float:
-    """Median seconds of ``repeats`` runs of ``fn``, each after ``flush()`` and timed by ``clock(fn)``, after
-    ``warmup`` untimed runs (compilation, autotuning, allocator growth)."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        flush()
-        samples.append(clock(fn))
-    return statistics.median(samples)
-
-
-def cuda_event_clock(fn: Callable[[], Any]) -> float:
-    """Seconds ``fn``'s GPU work takes, from CUDA events around it on the current stream."""
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
-def wall_clock(fn: Callable[[], Any]) -> float:
-    """Seconds of host time (CPU tensors, tests)."""
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def l2_flusher(device: torch.device) -> Callable[[], Any]:
-    """A function that evicts the L2 cache by reading a buffer of at least twice its size.
-
-    Reading rather than writing matters: a written buffer leaves dirty lines in L2 whose write-back would land
-    inside the next timed run and be charged to it; read lines are clean, and the previous run's dirty output
-    is written back during the flush, before the timer starts."""
-    l2_bytes = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
-    buffer = torch.ones(max(2 * l2_bytes, MIN_FLUSH_BYTES) // 4, dtype=torch.float32, device=device)
-    return buffer.sum
-
-
-def as_cuda_graph(make_fn: Callable[[], Callable[[], Any]]) -> Callable[[], Any]:
-    """Captures the callable ``make_fn()`` returns in a CUDA graph and returns the graph's replay.
-
-    Everything happens on one side stream: capture needs a warm-up off the default stream, and autograd runs
-    each backward op on the stream of its forward op, so a backward captured on its own needs its (untimed)
-    forward to have run on the capture stream too."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn = make_fn()
-        for _ in range(3):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    return graph.replay
-
-
-def measure_copy_gbps(device: torch.device, clock: Clock, flush: Callable[[], Any], warmup: int,
-                      repeats: int) -> float:
-    """This card's device-to-device copy bandwidth (``dst.copy_(src)`` of a large tensor), in GB/s."""
-    src = torch.ones(COPY_PROBE_BYTES // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    seconds = time_callable(lambda: dst.copy_(src), clock=clock, flush=flush, warmup=warmup, repeats=repeats)
-    return gbps(copy_traffic_bytes(COPY_PROBE_BYTES), seconds)
-
-
-# ----------------------------------------------------------------------------------------- implementations
-
-
-@dataclass
-class Impl:
-    """``forward(x, residual) -> (y, residual + x)`` and the weight it differentiates."""
-
-    forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    weight: torch.Tensor
-
-
-def _hf_module(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return LlamaRMSNorm(hidden, eps=EPS).to(device=device, dtype=dtype)
-
-
-def _eager_add_norm(norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """``residual + x`` as its own op, then ``norm``: how an unpatched decoder layer does it."""
-
-    def forward(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = residual + x
-        return norm(s), s
-
-    return forward
-
-
-def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> Impl:
-    """A fresh implementation for one shape (fresh so torch.compile specialises on it without hitting its
-    recompilation limit). Weights are in the activations' dtype, as in a model loaded in that dtype."""
-    if name == "hf_rmsnorm":
-        from hf_rmsnorm import fused_add_rms_norm
-
-        weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), weight)
-    if name == "hf_eager":
-        module = _hf_module(hidden, dtype, device)
-        return Impl(_eager_add_norm(module), module.weight)
-    if name == "torch_rms_norm":
-        weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        return Impl(_eager_add_norm(lambda s: torch.nn.functional.rms_norm(s, (hidden,), weight, EPS)), weight)
-    if name == "torch_compile":
-        from torch import _dynamo
-
-        _dynamo.reset()
-        module = _hf_module(hidden, dtype, device)
-        return Impl(torch.compile(_eager_add_norm(module), dynamic=False), module.weight)
-    if name == "liger":
-        from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
-
-        module = LigerFusedAddRMSNorm(hidden, eps=EPS, casting_mode="llama").to(device=device, dtype=dtype)
-        return Impl(module, module.weight)
-    raise ValueError(f"unknown implementation {name!r}")
-
-
-def phase_callable(impl: Impl, phase: str, inputs: dict[str, torch.Tensor]) -> Callable[[], Any]:
-    """What one timed run of ``phase`` executes. ``fwd`` is the inference forward (no autograd graph); for
-    ``bwd`` the training forward runs here, once, outside the timing."""
-    x, residual, dy, dsum = inputs["x"], inputs["residual"], inputs["dy"], inputs["dsum"]
-    if phase == "fwd":
-        def run_forward():
-            with torch.no_grad():
-                return impl.forward(x, residual)
-
-        return run_forward
-    x = x.detach().requires_grad_()
-    residual = residual.detach().requires_grad_()
-    wrt = (x, residual, impl.weight)
-    if phase == "bwd":
-        outputs = impl.forward(x, residual)
-        return lambda: torch.autograd.grad(outputs, wrt, (dy, dsum), retain_graph=True)
-    return lambda: torch.autograd.grad(impl.forward(x, residual), wrt, (dy, dsum))
-
-
-# ------------------------------------------------------------------------------------------------- runner
-
-
-@dataclass
-class Settings:
-    """What every measurement shares."""
-
-    device: torch.device
-    dtype_name: str
-    warmup: int
-    repeats: int
-    copy_gbps: float
-    flush: Callable[[], Any]
-
-
-def failure_status(exc: Exception) -> str:
-    """A result status that keeps the reason of a failure, short enough for the table."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return "oom"
-    return f"error: {type(exc).__name__}: {exc}"[:200]
-
-
-def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor], settings: Settings) -> Result:
-    """Times one implementation and phase on one shape; a failure becomes the result's status."""
-    rows, hidden = inputs["x"].shape
-    use_graph = rows <= GRAPH_MAX_ROWS
-    try:
-        make_fn = functools.partial(phase_callable, impl, phase, inputs)
-        fn = as_cuda_graph(make_fn) if use_graph else make_fn()
-        seconds = time_callable(fn, clock=cuda_event_clock, flush=settings.flush, warmup=settings.warmup,
-                                repeats=settings.repeats)
-    except Exception as exc:  # one failing implementation must not end a long run; the reason is kept
-        return Result(name, phase, rows, hidden, settings.dtype_name, failure_status(exc))
-    return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, inputs["x"].dtype.itemsize,
-                       impl.weight.dtype.itemsize, settings.copy_gbps, use_graph)
-
-
-def bench_impl(name: str, phases: list[str], inputs: dict[str, torch.Tensor], settings: Settings) -> list[Result]:
-    """Every phase of one implementation on one shape."""
-    rows, hidden = inputs["x"].shape
-    try:
-        impl = build_impl(name, hidden, inputs["x"].dtype, settings.device)
-    except Exception as exc:  # e.g. a Liger release without the fused add: report it, go on
-        return [Result(name, p, rows, hidden, settings.dtype_name, failure_status(exc)) for p in phases]
-    return [time_phase(name, impl, phase, inputs, settings) for phase in phases]
-
-
-def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], settings: Settings) -> list[Result]:
-    """All implementations and phases on one shape; skipped results when it cannot fit."""
-    dtype = DTYPES[settings.dtype_name]
-
-    def all_with(status: str) -> list[Result]:
-        return [Result(i, p, rows, hidden, settings.dtype_name, status) for i in impls for p in phases]
-
-    free_bytes, _ = torch.cuda.mem_get_info(settings.device)
-    if not fits_in_memory(rows, hidden, dtype.itemsize, free_bytes):
-        return all_with("skipped: too big")
-    try:
-        gen = torch.Generator(device=settings.device).manual_seed(0)
-        inputs = {k: torch.randn(rows, hidden, dtype=dtype, device=settings.device, generator=gen)
-                  for k in ("x", "residual", "dy", "dsum")}
-    except torch.OutOfMemoryError:
-        return all_with("oom")
-    return [r for name in impls for r in bench_impl(name, phases, inputs, settings)]
-
-
-# -------------------------------------------------------------------------------------------- launch cost
-
-# Decode-sized calls are launch-bound; the goal is "no slower than an empty Triton kernel's launch + 2 us".
-LAUNCH_ROWS = (1, 16, 64)
-LAUNCH_GOAL_SLACK_S = 2e-6
-HOST_CALLS = 2000
-
-
-def host_seconds_per_call(fn: Callable[[], Any], calls: int = HOST_CALLS) -> float:
-    """Host time per call of ``fn`` in a tight loop, synchronised once at the end: what a decode step pays
-    without CUDA graphs (Python, argument binding, the launch itself), given a GPU that keeps up."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls
-
-
-def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
-    """Empty Triton kernel against ``fused_add_rms_norm`` forward on 1-64 rows: GPU time under a CUDA graph
-    (no flush: a decode step's activations are in L2) and host time per eager call."""
-    import triton
-
-    from hf_rmsnorm import fused_add_rms_norm
-
-    @triton.jit
-    def empty_kernel(ptr):
-        pass
-
-    def graph_seconds(fn: Callable[[], Any]) -> float:
-        return time_callable(as_cuda_graph(lambda: fn), clock=cuda_event_clock, flush=lambda: None,
-                             warmup=settings.warmup, repeats=settings.repeats)
-
-    def verdict(ours: float, empty: float) -> str:
-        return "ok" if ours <= empty + LAUNCH_GOAL_SLACK_S else "MISSED"
-
-    launch_empty = functools.partial(empty_kernel[(1,)], torch.empty(1, device=settings.device))
-    empty_graph, empty_host = graph_seconds(launch_empty), host_seconds_per_call(launch_empty)
-    lines = [f"launch cost, hidden {hidden}: empty Triton kernel {empty_graph * 1e6:.2f} us on the GPU (graph), "
-             f"{empty_host * 1e6:.2f} us on the host (eager); goal: + {LAUNCH_GOAL_SLACK_S * 1e6:.0f} us"]
-    weight = torch.ones(hidden, dtype=DTYPES[settings.dtype_name], device=settings.device)
-    for rows in LAUNCH_ROWS:
-        x, residual = (torch.randn(rows, hidden, dtype=weight.dtype, device=settings.device) for _ in range(2))
-        with torch.no_grad():
-            call = functools.partial(fused_add_rms_norm, x, residual, weight, EPS)
-            on_gpu, on_host = graph_seconds(call), host_seconds_per_call(call)
-        lines.append(f"  rows {rows:>3}: hf_rmsnorm fwd {on_gpu * 1e6:.2f} us GPU ({verdict(on_gpu, empty_graph)}), "
-                     f"{on_host * 1e6:.2f} us host ({verdict(on_host, empty_host)})")
-    return lines
-
-
-# ------------------------------------------------------------------------------------------------- report
-
-
-def speedups_over(results: list[Result], baseline: str) -> dict[tuple, float]:
-    """``baseline``'s time over each result's time, keyed by ``(impl, phase, rows, hidden)``."""
-    base = {(r.phase, r.rows, r.hidden): r.seconds for r in results if r.impl == baseline and r.seconds}
-    return {(r.impl, r.phase, r.rows, r.hidden): base[(r.phase, r.rows, r.hidden)] / r.seconds
-            for r in results if r.seconds and (r.phase, r.rows, r.hidden) in base}
-
-
-def format_table(results: list[Result], header: bool = True) -> str:
-    """A fixed-width table; ``x eager`` is the speedup over ``hf_eager`` on the same shape and phase."""
-    speedup = speedups_over(results, "hf_eager")
-    widths = (15, 8, 6, 7, 10, 8, 6, 8, 6)
-    lines = []
-    if header:
-        names = ("impl", "phase", "rows", "hidden", "time_us", "GB/s", "%copy", "x eager", "graph")
-        lines.append(" ".join(n.rjust(w) if i > 1 else n.ljust(w) for i, (n, w) in enumerate(zip(names, widths))))
-    for r in results:
-        if r.status != "ok":
-            lines.append(f"{r.impl:<15} {r.phase:<8} {r.rows:>6} {r.hidden:>7}  {r.status}")
-            continue
-        x = speedup.get((r.impl, r.phase, r.rows, r.hidden))
-        lines.append(f"{r.impl:<15} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
-                     f"{r.gbps:>8.0f} {100 * r.copy_fraction:>6.1f} {'' if x is None else f'{x:.2f}':>8} "
-                     f"{'yes' if r.cuda_graph else 'no':>6}")
-    return "\n".join(lines)
-
-
-def write_plot(results: list[Result], path: Path, copy_gbps: float) -> None:
-    """GB/s against hidden size, one panel per (rows, phase), one line per implementation."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)")
-        return
-    measured = [r for r in results if r.gbps]
-    if not measured:
-        print(f"nothing was measured: no plot written to {path}")
-        return
-    rows_list = sorted({r.rows for r in measured})
-    phases = [p for p in PHASES if any(r.phase == p for r in measured)]
-    fig, axes = plt.subplots(len(rows_list), len(phases), squeeze=False, sharex=True,
-                             figsize=(5 * len(phases), 3 * len(rows_list)))
-    for i, rows in enumerate(rows_list):
-        for j, phase in enumerate(phases):
-            ax = axes[i][j]
-            for impl in dict.fromkeys(r.impl for r in measured):
-                points = sorted((r.hidden, r.gbps) for r in measured
-                                if (r.impl, r.phase, r.rows) == (impl, phase, rows))
-                if points:
-                    ax.plot(*zip(*points), marker="o", label=impl)
-            ax.axhline(copy_gbps, color="grey", linestyle="--", linewidth=1, label="copy")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{phase}, {rows} rows")
-            ax.set_ylabel("GB/s")
-    for ax in axes[-1]:
-        ax.set_xlabel("hidden")
-    axes[0][0].legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
-
-
-def write_json(path: Path, results: list[Result], device_name: str, copy_gbps: float) -> None:
-    """The results with the device, the torch version and the copy bandwidth they are measured against."""
-    path.write_text(json.dumps({
-        "device": device_name, "torch": torch.__version__, "copy_gbps": copy_gbps,
-        "results": [asdict(r) for r in results],
-    }, indent=1))
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS))
-    parser.add_argument("--hidden", type=int, nargs="+", default=list(DEFAULT_HIDDEN))
-    parser.add_argument("--ops", choices=IMPLS, nargs="+", default=list(IMPLS))
-    parser.add_argument("--phases", choices=PHASES, nargs="+", default=list(PHASES))
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+def parse_args(argv: list[str]) -> kernel_bench.BenchConfig:
+    """The command line as a ``BenchConfig``."""
+    parser = cli.ArgumentParser(prog="bench_kernels.py", description=kernel_bench.__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=list(kernel_bench.DEFAULT_ROWS))
+    parser.add_argument("--hidden", type=int, nargs="+", default=list(kernel_bench.DEFAULT_HIDDEN))
+    parser.add_argument("--ops", choices=kernel_bench.IMPLS, nargs="+", default=list(kernel_bench.IMPLS))
+    parser.add_argument("--phases", choices=kernel_bench.PHASES, nargs="+", default=list(kernel_bench.PHASES))
+    parser.add_argument("--dtype", choices=sorted(kernel_bench.DTYPES), default="bf16")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
-    return parser.parse_args(argv)
+    return kernel_bench.BenchConfig(**vars(parser.parse_args(argv)))
 
 
-def available_impls(requested: list[str]) -> list[str]:
-    """The requested implementations that can run here (Liger only when installed)."""
-    if "liger" in requested and importlib.util.find_spec("liger_kernel") is None:
-        print("liger_kernel is not installed: skipping liger")
-        return [i for i in requested if i != "liger"]
-    return requested
+def _main(argv: list[str]) -> int:
+    config = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA (or ROCm) GPU and none is available: nothing to time.")
+        return cli.EXIT_OK
+    # Interpreted kernels would run on the host: set the backend up before hf_rmsnorm defines them.
+    backend.configure("cuda")
+    kernel_bench.run_benchmark(config)
+    return cli.EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kernels.py needs a CUDA (or ROCm) GPU and none is available: nothing to time.")
-        return 0
-    # Interpreted kernels would run on the host: set the backend up before hf_rmsnorm defines them.
-    from hf_rmsnorm.ops import backend
-
-    backend.configure("cuda")
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = l2_flusher(device)
-    copy = measure_copy_gbps(device, cuda_event_clock, flush, args.warmup, args.repeats)
-    print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy:.0f} GB/s")
-    settings = Settings(device, args.dtype, args.warmup, args.repeats, copy, flush)
-    if "hf_rmsnorm" in args.ops and "fwd" in args.phases:
-        for hidden in args.hidden:
-            print("\n".join(launch_cost_lines(hidden, settings)), flush=True)
-    impls = available_impls(args.ops)
-    results = []
-    for rows in args.rows:
-        for hidden in args.hidden:
-            shape_results = bench_shape(rows, hidden, impls, args.phases, settings)
-            # The shape's tensors are gone now: hand their memory back before the next (maybe larger) shape.
-            torch.cuda.empty_cache()
-            print(format_table(shape_results, header=not results), flush=True)
-            results += shape_results
-            if args.json:
-                # Rewritten after every shape, so a run cut short still leaves what it measured.
-                write_json(args.json, results, torch.cuda.get_device_name(device), copy)
-    if args.plot:
-        write_plot(results, args.plot, copy)
-    return 0
+    """Runs the benchmark; returns the exit status: 0, also without a GPU (nothing to time), 2 bad input."""
+    return cli.run("bench_kernels.py", _main, argv)
 
 
 if __name__ == "__main__":

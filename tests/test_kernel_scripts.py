@@ -1,37 +1,24 @@
 """The kernel tooling scripts: offline inspection of the compiled kernels, and the benchmark's harness and maths.
 
-The scripts live outside the package, so they are loaded from their files. Both are run as subprocesses too:
-the inspection must compile real GPU kernels, which it cannot do in this process, where conftest.py has set
-TRITON_INTERPRET=1 before hf_rmsnorm defined them.
+The helpers are tested from the modules that hold them, hf_rmsnorm.tools.kernel_inspect and kernel_bench. The
+scripts are run as subprocesses: the inspection must compile real GPU kernels, which it cannot do in this
+process, where conftest.py has set TRITON_INTERPRET=1 before hf_rmsnorm defined them.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from hf_rmsnorm.tools import kernel_bench, kernel_inspect
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def _load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up in sys.modules while the module executes.
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-inspect_kernels = _load_script("inspect_kernels")
-bench_kernels = _load_script("bench_kernels")
 
 
 def _run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -45,12 +32,12 @@ def _run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedPr
 
 
 def test_access_bits_from_sass_modifiers():
-    assert inspect_kernels.access_bits(".E.128") == 128
-    assert inspect_kernels.access_bits(".E.64.CONSTANT") == 64
-    assert inspect_kernels.access_bits(".E.U16") == 16
-    assert inspect_kernels.access_bits(".E") == 32
+    assert kernel_inspect.access_bits(".E.128") == 128
+    assert kernel_inspect.access_bits(".E.64.CONSTANT") == 64
+    assert kernel_inspect.access_bits(".E.U16") == 16
+    assert kernel_inspect.access_bits(".E") == 32
     # A cache-policy modifier that merely contains digits is not a width.
-    assert inspect_kernels.access_bits(".E.LTC128B") == 32
+    assert kernel_inspect.access_bits(".E.LTC128B") == 32
 
 
 def test_global_access_widths_counts_loads_and_stores_apart():
@@ -61,7 +48,7 @@ def test_global_access_widths_counts_loads_and_stores_apart():
         /*0640*/               @P0 STG.E.128 desc[UR12][R24.64+0x1000], R8 ;
         /*0df0*/                   STG.E desc[UR12][R2.64], R16 ;
     """
-    loads, stores = inspect_kernels.global_access_widths(sass)
+    loads, stores = kernel_inspect.global_access_widths(sass)
     assert loads == {128: 2, 16: 1}
     assert stores == {128: 1, 32: 1}
 
@@ -69,9 +56,9 @@ def test_global_access_widths_counts_loads_and_stores_apart():
 def test_parse_resource_usage_counts_stack_as_spill():
     text = (" Function norm_fwd_kernel:\n"
             "  REG:64 STACK:1064 SHARED:1024 LOCAL:8 CONSTANT[0]:624 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
-    assert inspect_kernels.parse_resource_usage(text) == {"registers": 64, "spill_bytes": 1072, "shared_bytes": 1024}
+    assert kernel_inspect.parse_resource_usage(text) == {"registers": 64, "spill_bytes": 1072, "shared_bytes": 1024}
     with pytest.raises(ValueError):
-        inspect_kernels.parse_resource_usage("no usage here")
+        kernel_inspect.parse_resource_usage("no usage here")
 
 
 def _have_cuda_binary_tools() -> bool:
@@ -112,33 +99,33 @@ def test_bench_without_gpu_says_so_and_exits_0():
 
 
 def test_min_traffic_matches_the_reference_anchor():
-    # REFERENCE.md: fused add + RMSNorm forward, N=4096, M=16384, bf16: 537 MB -> 179 us at 3.0 TB/s.
-    nbytes = bench_kernels.min_traffic_bytes("fwd", 16384, 4096, 2, 2)
+    # Published anchor: fused add + RMSNorm forward, N=4096, M=16384, bf16: 537 MB -> 179 us at 3.0 TB/s.
+    nbytes = kernel_bench.min_traffic_bytes("fwd", 16384, 4096, 2, 2)
     assert nbytes == 4 * 16384 * 4096 * 2 + 4096 * 2
     assert round(nbytes / 1e6) == 537
-    assert bench_kernels.gbps(nbytes, 179e-6) == pytest.approx(3000, rel=1e-3)
+    assert kernel_bench.gbps(nbytes, 179e-6) == pytest.approx(3000, rel=1e-3)
 
 
 def test_min_traffic_backward_and_total():
     act = 4 * 16 * 896 * 2
-    assert bench_kernels.min_traffic_bytes("bwd", 16, 896, 2, 2) == act + 2 * 896 * 2
-    assert bench_kernels.min_traffic_bytes("fwd+bwd", 16, 896, 2, 4) == (act + 896 * 4) + (act + 2 * 896 * 4)
+    assert kernel_bench.min_traffic_bytes("bwd", 16, 896, 2, 2) == act + 2 * 896 * 2
+    assert kernel_bench.min_traffic_bytes("fwd+bwd", 16, 896, 2, 4) == (act + 896 * 4) + (act + 2 * 896 * 4)
 
 
 def test_make_result_bandwidth_and_copy_fraction():
-    r = bench_kernels.make_result("hf_rmsnorm", "fwd", 1024, 1024, "bf16", seconds=1e-3, act_bytes=2,
-                                  weight_bytes=2, copy_gbps=10.0, cuda_graph=False)
+    r = kernel_bench.make_result("hf_rmsnorm", "fwd", 1024, 1024, "bf16", seconds=1e-3, act_bytes=2,
+                                 weight_bytes=2, copy_gbps=10.0, cuda_graph=False)
     assert r.status == "ok"
     assert r.traffic_bytes == 4 * 1024 * 1024 * 2 + 1024 * 2
     assert r.gbps == pytest.approx(r.traffic_bytes / 1e-3 / 1e9)
     assert r.copy_fraction == pytest.approx(r.gbps / 10.0)
-    assert bench_kernels.copy_traffic_bytes(100) == 200
+    assert kernel_bench.copy_traffic_bytes(100) == 200
 
 
 def test_fits_in_memory():
     free = 80 * 2**30
-    assert bench_kernels.fits_in_memory(65536, 16384, 2, free)
-    assert not bench_kernels.fits_in_memory(65536, 65536, 2, free)
+    assert kernel_bench.fits_in_memory(65536, 16384, 2, free)
+    assert not kernel_bench.fits_in_memory(65536, 65536, 2, free)
 
 
 def test_time_callable_warms_up_flushes_each_run_and_takes_the_median():
@@ -149,8 +136,8 @@ def test_time_callable_warms_up_flushes_each_run_and_takes_the_median():
         fn()
         return next(durations)
 
-    seconds = bench_kernels.time_callable(lambda: events.append("run"), clock=clock,
-                                          flush=lambda: events.append("flush"), warmup=2, repeats=3)
+    seconds = kernel_bench.time_callable(lambda: events.append("run"), clock=clock,
+                                         flush=lambda: events.append("flush"), warmup=2, repeats=3)
     assert seconds == 3.0
     assert events == ["run", "run", "flush", "run", "flush", "run", "flush", "run"]
 
@@ -158,11 +145,11 @@ def test_time_callable_warms_up_flushes_each_run_and_takes_the_median():
 def test_format_table_reports_speedup_over_eager_and_failures():
     common = dict(rows=16, hidden=896, dtype="bf16", act_bytes=2, weight_bytes=2, copy_gbps=1000.0)
     results = [
-        bench_kernels.make_result("hf_eager", "fwd", seconds=4e-5, cuda_graph=True, **common),
-        bench_kernels.make_result("hf_rmsnorm", "fwd", seconds=1e-5, cuda_graph=True, **common),
-        bench_kernels.Result("liger", "fwd", 16, 896, "bf16", "oom"),
+        kernel_bench.make_result("hf_eager", "fwd", seconds=4e-5, cuda_graph=True, **common),
+        kernel_bench.make_result("hf_rmsnorm", "fwd", seconds=1e-5, cuda_graph=True, **common),
+        kernel_bench.Result("liger", "fwd", 16, 896, "bf16", "oom"),
     ]
-    lines = bench_kernels.format_table(results).splitlines()
+    lines = kernel_bench.format_table(results).splitlines()
     assert lines[0].split() == ["impl", "phase", "rows", "hidden", "time_us", "GB/s", "%copy", "x", "eager", "graph"]
     assert lines[2].split()[4:] == ["10.0", f"{results[1].gbps:.0f}", f"{100 * results[1].copy_fraction:.1f}",
                                     "4.00", "yes"]
@@ -175,13 +162,13 @@ def test_phase_callables_time_the_right_work(name):
     forward+backward callable; the forward returns ``(y, residual + x)``."""
     gen = torch.Generator().manual_seed(0)
     inputs = {k: torch.randn(3, 64, generator=gen) for k in ("x", "residual", "dy", "dsum")}
-    impl = bench_kernels.build_impl(name, 64, torch.float32, torch.device("cpu"))
-    y, s = bench_kernels.phase_callable(impl, "fwd", inputs)()
+    impl = kernel_bench.build_impl(name, 64, torch.float32, torch.device("cpu"))
+    y, s = kernel_bench.phase_callable(impl, "fwd", inputs)()
     torch.testing.assert_close(s, inputs["residual"] + inputs["x"])
     assert not y.requires_grad
-    backward = bench_kernels.phase_callable(impl, "bwd", inputs)
+    backward = kernel_bench.phase_callable(impl, "bwd", inputs)
     first, second = backward(), backward()
-    both = bench_kernels.phase_callable(impl, "fwd+bwd", inputs)()
+    both = kernel_bench.phase_callable(impl, "fwd+bwd", inputs)()
     for a, b, c in zip(first, second, both):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a, c)
