@@ -1,0 +1,99 @@
+"""The package's architecture, checked: three wings importing only downward (tools -> patch -> ops), a public
+API that imports lazily, one version, and one place deciding which backend runs."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_rmsnorm
+from hf_rmsnorm.ops import backend
+
+PACKAGE = Path(hf_rmsnorm.__file__).resolve().parent
+# What each wing may import from the package: itself and the wings below it.
+ALLOWED = {"ops": {"ops"}, "patch": {"patch", "ops"}, "tools": {"tools", "patch", "ops"}}
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules ``path`` imports, relative imports resolved to absolute names."""
+    wing = path.relative_to(PACKAGE).parts[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.add(node.module or "")
+            else:
+                parents = ["hf_rmsnorm", wing][: 3 - node.level]
+                found.add(".".join([*parents, *filter(None, [node.module])]))
+    return found
+
+
+def _wings_imported(path: Path) -> set[str]:
+    return {name.split(".")[1] for name in _imports(path) if name.startswith("hf_rmsnorm.")}
+
+
+@pytest.mark.parametrize("wing", sorted(ALLOWED))
+def test_wings_import_only_downward(wing):
+    files = sorted((PACKAGE / wing).glob("*.py"))
+    assert files
+    for path in files:
+        assert _wings_imported(path) <= ALLOWED[wing], (path.name, _wings_imported(path))
+        if wing == "ops":  # the kernel library knows nothing of transformers
+            assert not any(name.split(".")[0] == "transformers" for name in _imports(path)), path.name
+
+
+def _fresh_modules(statement: str) -> list[str]:
+    code = f"import sys\n{statement}\nprint(sorted(m for m in sys.modules if m.startswith('hf_rmsnorm')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return ast.literal_eval(out.strip().splitlines()[-1])
+
+
+def test_importing_the_package_defines_no_kernel_and_the_library_never_imports_the_tools():
+    assert _fresh_modules("import hf_rmsnorm") == ["hf_rmsnorm"]
+    assert "hf_rmsnorm.ops.kernels" not in _fresh_modules("from hf_rmsnorm.ops import backend")
+    library = _fresh_modules("from hf_rmsnorm import patch_model, rms_norm, fused_add_rms_norm")
+    assert "hf_rmsnorm.ops.kernels" in library
+    assert not any(m.startswith("hf_rmsnorm.tools") for m in library)
+
+
+def test_public_api():
+    from hf_rmsnorm import (  # noqa: F401
+        PatchReport,
+        UnconvertibleModelError,
+        UnsupportedModelError,
+        fused_add_rms_norm,
+        patch_model,
+        rms_norm,
+        unpatch_model,
+    )
+
+    assert sorted(hf_rmsnorm.__all__) == sorted(dir(hf_rmsnorm))
+    assert issubclass(UnconvertibleModelError, UnsupportedModelError) and issubclass(UnsupportedModelError, ValueError)
+    with pytest.raises(AttributeError, match="no attribute 'recentre'"):
+        hf_rmsnorm.recentre  # noqa: B018
+
+
+def test_one_version():
+    assert importlib.metadata.version("hf-rmsnorm") == hf_rmsnorm.__version__
+
+
+def test_the_backend_refuses_to_switch_once_the_kernels_exist():
+    other = "cuda" if backend.kernels_interpreted() else "cpu"
+    with pytest.raises(RuntimeError, match="already defined .* call hf_rmsnorm.ops.backend.configure"):
+        backend.configure(other)
+
+
+def test_the_backend_rule():
+    x = torch.ones(2, 4)
+    assert backend.runs_kernels(x) is backend.kernels_interpreted()
+    assert not backend.runs_kernels(x.double())  # fp64 takes the PyTorch path
+    assert not backend.runs_kernels(torch.ones(2, 4, device="meta"))
+    assert "interpreter" in backend.describe("cpu") or not backend.kernels_interpreted()
