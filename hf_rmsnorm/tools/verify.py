@@ -99,11 +99,9 @@ def render(report: dict) -> str:
         lines.append(
             "Kernels ran in Triton's CPU interpreter (TRITON_INTERPRET=1): a correctness check, not a speed one."
         )
-    lines += ["", f"Patch: {patch['norms']} norms replaced, {patch['fused_adds']} residual adds fused, "
+    families = f" ({', '.join(patch['families'])})" if patch.get("families") else ""
+    lines += ["", f"Patch: {patch['norms']} norms replaced{families}, {patch['fused_adds']} residual adds fused, "
               f"{patch['skipped']} skipped"]
-    if patch.get("layernorms_converted"):
-        lines.append(f"  {patch['layernorms_converted']} LayerNorms converted exactly to RMSNorm; centred: "
-                     f"{', '.join(patch['centred'])}")
     lines += [f"  skipped {name}: {reason}" for name, reason in patch["skipped_modules"]]
 
     positions = par["positions"]
@@ -235,8 +233,7 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
         },
         "patch": {
             "norms": len(patch.norms), "fused_adds": len(patch.fused_adds), "skipped": len(patch.skipped),
-            "skipped_modules": [list(item) for item in patch.skipped],
-            "layernorms_converted": len(patch.converted), "centred": list(patch.centred),
+            "skipped_modules": [list(item) for item in patch.skipped], "families": list(patch.families),
         },
         "parity": result.to_dict(),
         "rule": parity.VERDICT_RULE,
