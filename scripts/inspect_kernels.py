@@ -29,12 +29,12 @@ def parse_args(argv: list[str]) -> tuple[kernel_inspect.InspectConfig, bool]:
     """The command line as an ``InspectConfig``, and whether ``--strict`` was given."""
     parser = cli.ArgumentParser(prog="inspect_kernels.py", description=kernel_inspect.__doc__.split("\n\n")[0])
     parser.add_argument("--arch", choices=sorted(kernel_inspect.SM_COUNTS), default="sm_90")
-    parser.add_argument("--hidden", type=int, nargs="+", default=list(kernel_inspect.DEFAULT_HIDDEN))
+    parser.add_argument("--hidden", type=cli.at_least(1), nargs="+", default=list(kernel_inspect.DEFAULT_HIDDEN))
     parser.add_argument("--dtype", choices=kernel_inspect.DTYPES, nargs="+", default=list(kernel_inspect.DTYPES))
     parser.add_argument("--variant", choices=kernel_inspect.VARIANTS, nargs="+",
                         default=list(kernel_inspect.VARIANTS))
     parser.add_argument("--mode", default="llama", help="casting order, as in hf_rmsnorm.ops.modes.MODES")
-    parser.add_argument("--rows", type=int, default=kernel_inspect.DEFAULT_ROWS,
+    parser.add_argument("--rows", type=cli.at_least(1), default=kernel_inspect.DEFAULT_ROWS,
                         help="rows of the launch being specialised")
     parser.add_argument("--json", type=Path, help="write the records here")
     parser.add_argument("--strict", action="store_true",
