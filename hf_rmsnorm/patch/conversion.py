@@ -13,9 +13,9 @@ pre-LN decoder every reader of the residual stream is a LayerNorm, so once every
 is mean-free, the stream stays zero-mean and each LayerNorm may run as an RMSNorm (the ``"layernorm_as_rmsnorm"``
 mode, which skips the mean). When ``patch_model`` is called, and never again:
 
-* the attention output and MLP down projections of every layer are centred in place, in fp64 arithmetic,
-  stored in their dtype (``nn.Linear``: ``W -= W.mean(0)``; GPT-2's ``Conv1D``: ``W -= W.mean(1)``;
-  ``b -= b.mean()``); the report lists every parameter changed;
+* the attention output and MLP down projections of every layer are centred in place, their means computed in
+  fp64 (``nn.Linear``: ``W -= W.mean(0)``; GPT-2's ``Conv1D``: ``W -= W.mean(1)``; ``b -= b.mean()``); the
+  report lists every parameter changed;
 * the stream is centred where it enters the first layer, on every forward, by a stateless forward pre-hook on
   that layer: one mean and one subtraction. That covers the token, position and token-type embeddings and any
   ``inputs_embeds`` a caller passes, and leaves the embedding tables alone, so a table tied to the LM head keeps
@@ -64,9 +64,9 @@ class LayerNormPlan:
     writers: list[Writer] = field(default_factory=list)
     entrances: dict[nn.Module, str] = field(default_factory=dict)
 
-    @property
-    def converted(self) -> list[nn.Module]:
-        return [m for m, (_, kind) in self.norms.items() if kind is LAYERNORM_AS_RMSNORM]
+    def converts(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a LayerNorm this plan converts to RMSNorm."""
+        return module in self.norms and self.norms[module][1] is LAYERNORM_AS_RMSNORM
 
     @property
     def centred(self) -> list[str]:
@@ -75,14 +75,14 @@ class LayerNormPlan:
                 if isinstance(getattr(w.module, p, None), Tensor)]
 
     def apply(self) -> None:
-        """Installs the entrance hooks, then centres the writers. The means are all computed before any weight
-        changes, and the in-place subtraction allocates nothing, so a failure leaves every weight as it was."""
+        """Installs the entrance hooks, then centres the writers. The means are all computed (the only
+        allocations) before any weight changes, and the in-place subtraction in the weight's own dtype needs no
+        temporary, so a failure leaves every weight as it was."""
         for entrance in self.entrances:
             entrance.register_forward_pre_hook(centre_stream, with_kwargs=True)
         means = [_writer_means(w) for w in self.writers]
         with torch.no_grad():
             for w, (weight_mean, bias_mean) in zip(self.writers, means):
-                # Subtracting an fp64 tensor computes in fp64 and rounds once into the parameter's dtype.
                 w.module.weight.sub_(weight_mean)
                 if bias_mean is not None:
                     w.module.bias.sub_(bias_mean)
@@ -118,11 +118,12 @@ def remove_entrance_hook(entrance: nn.Module) -> None:
 
 
 def _writer_means(w: Writer) -> tuple[Tensor, Tensor | None]:
-    """fp64 means to subtract from ``w``'s weight (broadcastable) and bias."""
+    """The means to subtract from ``w``'s weight (broadcastable) and bias: computed in fp64, rounded to the
+    parameter's dtype."""
     weight = w.module.weight.detach()
-    weight_mean = weight.double().mean(w.out_dim, keepdim=True)
+    weight_mean = weight.double().mean(w.out_dim, keepdim=True).to(weight.dtype)
     bias = getattr(w.module, "bias", None)
-    bias_mean = bias.detach().double().mean() if isinstance(bias, Tensor) else None
+    bias_mean = bias.detach().double().mean().to(bias.dtype) if isinstance(bias, Tensor) else None
     return weight_mean, bias_mean
 
 

@@ -224,7 +224,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             norms[module] = name
             plan.swaps.append((module, kind))
             plan.report.norms.append(name)
-            if module in layernorms.converted:
+            if layernorms.converts(module):
                 plan.report.converted.append(name)
             if family not in plan.report.families:
                 plan.report.families.append(family)
