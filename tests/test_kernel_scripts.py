@@ -2,13 +2,13 @@
 
 The helpers are tested from the modules that hold them, hf_rmsnorm.tools.kernel_inspect and kernel_bench. The
 scripts are run as subprocesses: the inspection must compile real GPU kernels, which it cannot do in this
-process, where conftest.py has set TRITON_INTERPRET=1 before hf_rmsnorm defined them.
+process, where conftest.py has defined them for Triton's interpreter. The subprocesses inherit this process's
+environment (TRITON_INTERPRET=1 included): each script sets its own backend up.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +22,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
 def _run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    # Without the interpreter variable: the inspection compiles for a GPU, the benchmark must not interpret.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args], capture_output=True, text=True,
+                          timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------ inspect_kernels
