@@ -1,9 +1,12 @@
 """End-to-end ``generate()`` speed on a GPU: prefill and decode throughput and peak memory.
 
-Prefill is timed as ``generate(max_new_tokens=1)`` (one forward over the prompt plus one sampled token) and
-decode as the extra time ``generate(max_new_tokens=N)`` takes over that, per generated token. Each figure is
-the median of ``repeats`` runs after a warm-up run of both (Triton compiles its kernels and cuBLAS picks its
-algorithms on first use), with the device synchronised around every timed call so queued GPU work is counted.
+Both figures come from the same ``generate(max_new_tokens=N)`` call, split where the first token's logits
+arrive (a logits processor synchronises the device and reads the clock there): prefill is the time up to the
+first token's logits (one forward over the prompt), decode is the time from there to the end (N - 1 cached
+forwards and the N sampling steps). Each figure is the median of ``repeats`` runs after a warm-up run (Triton
+compiles its kernels and cuBLAS picks its algorithms on first use), with the device synchronised around every
+timed call so queued GPU work is counted. Splitting one run, rather than subtracting a short run from a long
+one, keeps both intervals positive whatever the noise.
 There is no CPU path: Triton's interpreter runs one program at a time in numpy, so CPU timings would measure
 the interpreter, not the kernels.
 """
@@ -15,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import PreTrainedModel
+from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
 from .workload import Prompts, generation_config
 
@@ -41,14 +44,34 @@ def speedups(unpatched: SpeedFigures, patched: SpeedFigures) -> dict[str, float]
     }
 
 
+class _FirstTokenClock(LogitsProcessor):
+    """Reads the clock, after a device sync, when the first generated token's logits arrive."""
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.first_token_at is None:
+            torch.cuda.synchronize()
+            self.first_token_at = time.perf_counter()
+        return scores
+
+
 @torch.no_grad()
-def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> float:
-    config = generation_config(new_tokens, pad_id)
+def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> tuple[float, float]:
+    """Seconds of prefill and of decode in one ``generate()`` call."""
+    clock = _FirstTokenClock()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.generate(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask, generation_config=config)
+    model.generate(
+        input_ids=prompts.input_ids,
+        attention_mask=prompts.attention_mask,
+        generation_config=generation_config(new_tokens, pad_id),
+        logits_processor=LogitsProcessorList([clock]),
+    )
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    return clock.first_token_at - start, end - clock.first_token_at
 
 
 def measure_generate(
@@ -70,17 +93,10 @@ def measure_generate(
     if new_tokens < 2:
         raise ValueError("decode timing needs new_tokens >= 2")
     batch, prompt_len = prompts.input_ids.shape
-    for n in (1, new_tokens):
-        _timed_generate(model, prompts, n, pad_id)
+    _timed_generate(model, prompts, new_tokens, pad_id)
     device = prompts.input_ids.device
     torch.cuda.reset_peak_memory_stats(device)
-    prefill_s, decode_s = [], []
-    for _ in range(repeats):
-        prefill = _timed_generate(model, prompts, 1, pad_id)
-        full = _timed_generate(model, prompts, new_tokens, pad_id)
-        prefill_s.append(prefill)
-        # Pairing each full run with the prefill just before it cancels drift between repeats.
-        decode_s.append(full - prefill)
+    prefill_s, decode_s = zip(*(_timed_generate(model, prompts, new_tokens, pad_id) for _ in range(repeats)))
     return SpeedFigures(
         prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
         decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),
