@@ -7,7 +7,9 @@ from the same forward, context and backward functions when a gradient is needed,
 (``generate()`` runs under ``no_grad``).
 
 ``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
-interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics.
+interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
+the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_rms_norm_bwd``, which
+every eager, autograd and custom-op call goes through, and in the fake implementations ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ from torch import Tensor
 
 from . import reference
 from .backend import runs_kernels
+from .checks import check_backward, check_forward
 from .launch import norm_backward, norm_forward
 from .modes import get_mode, sum_dtype
 
 
 def _forward(x, residual, weight, bias, eps, mode):
+    check_forward(x, residual, weight, bias, eps)  # before the kernels could read out of bounds
     if runs_kernels(x, residual, weight, bias):
         return norm_forward(x, residual, weight, bias, eps, mode)
     y, norm_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
     return y, (None if residual is None else norm_input), stats
 
 
-def _fake_forward(x, residual, weight, bias, mode):
+def _fake_forward(x, residual, weight, bias, eps, mode):
+    # The same error while torch.compile traces as when the real implementation runs.
+    check_forward(x, residual, weight, bias, eps)
     m = get_mode(mode)
     norm_dtype = sum_dtype(x, residual)
     y = x.new_empty(x.shape, dtype=m.output_dtype(norm_dtype, weight, bias))
@@ -46,7 +52,7 @@ _rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args
 
 @_rms_norm_fwd.register_fake
 def _(x, weight, bias, eps, mode):
-    y, _, stats = _fake_forward(x, None, weight, bias, mode)
+    y, _, stats = _fake_forward(x, None, weight, bias, eps, mode)
     return y, stats
 
 
@@ -61,7 +67,7 @@ _add_rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::add_rms_norm_fwd", muta
 
 @_add_rms_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, mode):
-    return _fake_forward(x, residual, weight, bias, mode)
+    return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
 @torch.library.custom_op("hf_rmsnorm::rms_norm_bwd", mutates_args=())
@@ -78,6 +84,7 @@ def _rms_norm_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed are empty tensors (custom
     ops cannot return None, nor one tensor twice)."""
+    check_backward(dy, dsum, norm_input, stats, weight, mode)
     if runs_kernels(dy, dsum, norm_input, weight):
         dx, dres, dweight, dbias = norm_backward(
             dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
@@ -95,6 +102,7 @@ def _rms_norm_bwd(
 
 @_rms_norm_bwd.register_fake
 def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
+    check_backward(dy, dsum, norm_input, stats, weight, mode)
     dx = norm_input.new_empty(norm_input.shape, dtype=dx_dtype)
     dres = dx.new_empty(norm_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
     dbias = dx.new_empty((norm_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
@@ -188,6 +196,11 @@ def rms_norm(
 
     Returns:
         The normalised tensor, in the dtype the Hugging Face module would return.
+
+    Raises:
+        TypeError: a tensor is not fp16, bf16, fp32 or fp64.
+        ValueError: an unknown mode; ``x`` is 0-dimensional; ``weight`` or ``bias`` is not 1-D of ``x``'s last
+            dimension; a tensor is not on ``x``'s device; ``eps`` is negative, infinite or NaN (``checks.py``).
     """
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
@@ -214,6 +227,10 @@ def fused_add_rms_norm(
 
     Returns:
         ``(y, new_residual)``.
+
+    Raises:
+        TypeError, ValueError: as ``rms_norm``; also a ValueError when ``residual`` does not have exactly
+            ``x``'s shape (no broadcasting).
     """
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)

@@ -105,6 +105,10 @@ def norm_forward(
 
     x2, stride_x = _as_rows(x, n_cols)
     r2, stride_r = (x2, stride_x) if residual is None else _as_rows(residual, n_cols)
+    # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
+    # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
+    weight = weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     with _on_device(x):
@@ -156,6 +160,7 @@ def norm_backward(
 
     dy2, stride_dy = _as_rows(dy, n_cols)
     s2, stride_s = _as_rows(norm_input, n_cols)
+    weight, stats = weight.contiguous(), stats.contiguous()  # unit stride, as in the forward
     dsum2, stride_dsum = (dy2, stride_dy) if dsum is None else _as_rows(dsum, n_cols)
     with _on_device(dy):
         norm_bwd_kernel[(n_programs,)](
