@@ -1,6 +1,9 @@
 """The Triton kernels (run in Triton's interpreter on CPU) against fp64 maths and Hugging Face's own modules."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -437,3 +440,39 @@ def test_non_reentrant_checkpointing_recomputes_both_ops():
     checkpointed = _grads(checkpoint(block, *params, use_reentrant=False).sum(), params, None)
     for a, b in zip(checkpointed, plain):
         assert torch.equal(a, b)
+
+
+def test_strided_and_expanded_weights_are_read_as_their_values():
+    # The kernels index weight and bias with unit stride; a strided view must not be read as a contiguous one
+    # (nor an expanded one past its storage).
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 32, generator=generator)
+    wide = torch.randn(64, generator=generator)
+    for weight, bias in ((wide[::2], wide[1::2]), (torch.tensor(1.5).expand(32), torch.tensor(0.25).expand(32))):
+        expected = rms_norm(x, weight.contiguous(), 1e-6, bias=bias.contiguous(), mode="fp32_affine")
+        assert torch.equal(rms_norm(x, weight, 1e-6, bias=bias, mode="fp32_affine"), expected)
+
+
+def test_the_interpreter_rounds_like_a_gpu_without_configure(tmp_path):
+    # A user who sets TRITON_INTERPRET=1 alone (no backend.configure) gets GPU rounding of bf16 all the same.
+    script = tmp_path / "check.py"
+    script.write_text(
+        "import torch\n"
+        "from transformers.models.llama.modeling_llama import LlamaRMSNorm\n"
+        "from hf_rmsnorm import rms_norm\n"
+        "from hf_rmsnorm.ops import backend\n"
+        "x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)\n"
+        "norm = LlamaRMSNorm(256, eps=1e-6)\n"
+        "torch.nn.init.normal_(norm.weight, 1.0, 0.2)\n"
+        "with torch.no_grad():\n"
+        "    norm.weight.copy_(norm.weight.to(torch.bfloat16).float()); norm = norm.to(torch.bfloat16)\n"
+        # Truncating instead of rounding would change about half the outputs; an rstd an ulp away from
+        # PyTorch's may flip a rare one.
+        "    differing = (rms_norm(x, norm.weight, 1e-6) != norm(x)).float().mean().item()\n"
+        "assert differing < 0.01, differing\n"
+        "assert backend.kernels_interpreted()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            env={**env, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stderr

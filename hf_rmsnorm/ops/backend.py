@@ -15,7 +15,8 @@ Triton chooses between compiling and interpreting when a kernel is *defined*, fr
 
 The interpreter converts fp32 to bf16 by truncation, where GPUs and PyTorch round to nearest even, so every bf16
 output would be up to an ulp further from the truth than on a GPU and bitwise comparisons with Hugging Face's
-eager modules would mean nothing. ``configure("cpu")`` therefore also makes the interpreter round as a GPU does.
+eager modules would mean nothing. The interpreter is therefore made to round as a GPU does whenever the kernels
+are defined for it, whether ``configure("cpu")`` or the user's own ``TRITON_INTERPRET=1`` chose it.
 """
 
 from __future__ import annotations
@@ -50,20 +51,28 @@ def configure(device: str | torch.device) -> None:
         )
     if interpret:
         os.environ[INTERPRETER_ENV] = "1"
-        if not round_bf16_to_nearest_even():
-            raise RuntimeError("this Triton version's interpreter cannot be made to round bf16 to nearest even")
+        _round_as_gpus_do()
     else:
         os.environ.pop(INTERPRETER_ENV, None)
 
 
 @functools.cache
 def kernels_interpreted() -> bool:
-    """Whether the kernels are defined for Triton's interpreter (defines them, if no norm has run yet)."""
+    """Whether the kernels are defined for Triton's interpreter (defines them, if no norm has run yet); if so,
+    the interpreter rounds bf16 as a GPU does from then on."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from .kernels import norm_fwd_kernel
 
-    return isinstance(norm_fwd_kernel, InterpretedFunction)
+    interpreted = isinstance(norm_fwd_kernel, InterpretedFunction)
+    if interpreted:
+        _round_as_gpus_do()
+    return interpreted
+
+
+def _round_as_gpus_do() -> None:
+    if not round_bf16_to_nearest_even():
+        raise RuntimeError("this Triton version's interpreter cannot be made to round bf16 to nearest even")
 
 
 def runs_kernels(*tensors: torch.Tensor | None) -> bool:
@@ -75,11 +84,24 @@ def runs_kernels(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype in KERNEL_DTYPES for t in tensors)
 
 
+def _interpreter_chosen() -> bool:
+    """Whether the kernels are, or will be when first used, defined for the interpreter: like
+    ``kernels_interpreted`` but without defining them, so ``configure`` can still run afterwards."""
+    if _KERNELS_MODULE in sys.modules:
+        return kernels_interpreted()
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:  # Triton >= 3.4 parses the variable here
+        return bool(knobs.runtime.interpret)
+    return os.environ.get(INTERPRETER_ENV, "0").lower() in ("1", "true", "on", "yes")
+
+
 def describe(device: str | torch.device) -> str:
-    """One line saying what runs the norms of tensors on ``device``, for logs and reports."""
+    """One line saying what runs the norms of tensors on ``device``, for logs and reports (defines no kernel)."""
     if torch.device(device).type == "cuda":
         return "Triton kernels on the GPU"
-    if torch.device(device).type == "cpu" and kernels_interpreted():
+    if torch.device(device).type == "cpu" and _interpreter_chosen():
         return "Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1): exact but slow, no speed figures"
     return f"no GPU and no interpreter: the PyTorch implementation with the kernels' semantics on {device}"
 
