@@ -21,6 +21,7 @@ _PUBLIC = {
     "fused_add_rms_norm": "hf_rmsnorm.ops",
     "patch_model": "hf_rmsnorm.patch",
     "unpatch_model": "hf_rmsnorm.patch",
+    "check_model": "hf_rmsnorm.patch",
     "PatchReport": "hf_rmsnorm.patch",
     "UnsupportedModelError": "hf_rmsnorm.patch",
     "UnconvertibleModelError": "hf_rmsnorm.patch",
@@ -28,7 +29,14 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from .ops import fused_add_rms_norm, rms_norm
-    from .patch import PatchReport, UnconvertibleModelError, UnsupportedModelError, patch_model, unpatch_model
+    from .patch import (
+        PatchReport,
+        UnconvertibleModelError,
+        UnsupportedModelError,
+        check_model,
+        patch_model,
+        unpatch_model,
+    )
 
 __all__ = [*_PUBLIC, "__version__"]
 

@@ -337,10 +337,10 @@ def test_bert_is_refused_and_left_untouched():
     model = BertLMHeadModel(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=64, is_decoder=True))
     before = _snapshot(model)
-    with pytest.raises(UnsupportedModelError, match=r"BertLMHeadModel .*LayerNorm.*post-LN.*GPT-2") as error:
+    with pytest.raises(UnsupportedModelError, match=r"BertLMHeadModel .*LayerNorm.*post-LN.*family_names") as error:
         patch_model(model)
     assert not isinstance(error.value, UnconvertibleModelError) and isinstance(error.value, ValueError)
-    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*post-LN.*GPT-2"):
+    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*post-LN.*family_names"):
         patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
 

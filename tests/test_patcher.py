@@ -10,7 +10,7 @@ import pytest
 import torch
 from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model
 
-from hf_rmsnorm import UnsupportedModelError, patch_model, unpatch_model
+from hf_rmsnorm import UnsupportedModelError, check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import patcher
 from hf_rmsnorm.patch.families import Registry, registry
 
@@ -273,7 +273,8 @@ def test_a_model_running_fewer_layers_than_it_has(norms_only):
 
 @pytest.mark.parametrize("obj", [42, "model", torch.nn.Linear(4, 4)], ids=["int", "str", "Linear"])
 def test_unsupported_objects_raise_and_are_left_untouched(obj):
-    with pytest.raises(UnsupportedModelError, match="Llama, Mistral, Qwen2, Qwen3") as error:
+    expected = "expects a torch.nn.Module" if not isinstance(obj, torch.nn.Module) else "has no norm"
+    with pytest.raises(UnsupportedModelError, match=expected) as error:
         patch_model(obj)
     assert isinstance(error.value, ValueError)
     assert type(obj).__name__ in str(error.value)
@@ -285,8 +286,11 @@ def test_an_unsupported_family_raises_and_is_left_untouched():
     # GPT-2's LayerNorms are converted by default (tests/test_layernorm.py); with layernorm="skip" it has none.
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     before = _snapshot(model)
-    with pytest.raises(UnsupportedModelError, match=r"GPT2LMHeadModel has no norm .*LayerNorm.*supports Llama"):
-        patch_model(model, layernorm="skip")
+    message = r"^GPT2LMHeadModel \(model_type 'gpt2'\) has no norm .*LayerNorm.*supported families: .*family_names"
+    for attempt in (check_model, patch_model):
+        with pytest.raises(UnsupportedModelError, match=message) as raised:
+            attempt(model, layernorm="skip")
+        assert len(str(raised.value)) < 250 and "\n" not in str(raised.value)
     _assert_same(model, before)
 
 
@@ -358,3 +362,22 @@ def test_report_reads_well():
     assert "    model.layers.0: attention residual -> model.layers.0.post_attention_layernorm (while " in text
     assert "    model.layers.1: mlp residual -> model.norm (inference) (while resid_mlp_dropout is inactive)" in text
     assert text.endswith("\n    model.extra: torch.nn.modules.normalization.LayerNorm is not a norm of a supported family")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_check_model_reports_what_patch_model_will_do_and_changes_nothing(family):
+    model = tiny_model(family)
+    before = _snapshot(model)
+    planned = check_model(model)
+    _assert_same(model, before)
+    report = patch_model(model)
+    assert (planned.norms, planned.fused_adds, planned.skipped, planned.families) == (
+        report.norms, report.fused_adds, report.skipped, report.families)
+    assert check_model(model) is report  # a patched model: the report of its patch
+
+
+def test_the_report_says_what_runs_the_norms():
+    report = patch_model(tiny_model("llama"))
+    # conftest set this process up for Triton's interpreter on CPU.
+    assert report.backend.startswith("Triton kernels in Triton's CPU interpreter")
+    assert f"runs on: {report.backend}" in str(report).splitlines()[1]

@@ -250,7 +250,7 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def family_names() -> str:
-    """Every supported family, for error messages."""
+    """Every supported family, in one line."""
     rms = ", ".join(f.name for f in FAMILIES if not f.normalises_with_layernorm)
     layernorm = ", ".join(f.name for f in FAMILIES if f.normalises_with_layernorm)
     return f"{rms}; LayerNorm models: {layernorm}"

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+from ..ops import backend
 from . import fused
 from .conversion import LayerNormPlan, plan_layernorms
-from .families import LayerKind, NormKind, StackKind, family_names, registry
+from .families import LayerKind, NormKind, StackKind, registry
 from .handoff import NextNorm
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
@@ -68,7 +69,7 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
         A ``PatchReport`` of what was patched, fused, converted and skipped.
 
     Raises:
-        UnsupportedModelError: ``model`` is not a module or has no norm of a supported family. Nothing changed.
+        UnsupportedModelError: ``model`` is not a module or has no norm hf_rmsnorm can patch. Nothing changed.
         UnconvertibleModelError: (a subclass) ``layernorm="rmsnorm"`` and the model cannot be converted exactly:
             a post-LN model (BERT, OPT-350m), fp16/bf16 writers, an unknown stack. Nothing changed.
         ValueError: ``layernorm`` is not one of the values above.
@@ -77,24 +78,7 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     state = root.__dict__.get(_STATE_ATTR)
     if state is not None:
         return state.report
-    plan = _plan(root, layernorm)
-    if not plan.swaps and not plan.already_patched:
-        found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
-        has_layernorm = any(isinstance(m, nn.LayerNorm) for m in root.modules())
-        if layernorm == "rmsnorm" and has_layernorm:
-            raise UnconvertibleModelError(
-                f"{type(model).__name__} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported "
-                "family, so it cannot be converted to RMSNorm exactly (post-LN models such as BERT normalise "
-                f"residual sums); patch_model supports {family_names()}"
-            )
-        hint = (
-            "; its nn.LayerNorms are not in a decoder of a supported LayerNorm family (post-LN encoders such as "
-            "BERT are not supported)" if has_layernorm and layernorm != "skip" else ""
-        )
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no norm of a supported family (norm-like classes found: "
-            f"{', '.join(found) or 'none'}){hint}; patch_model supports {family_names()}"
-        )
+    plan = _checked_plan(root, layernorm)
     state = _PatchState(plan.report, plan.layernorms)
     try:
         for module, kind in plan.swaps:
@@ -110,6 +94,20 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
         _restore(state)
         raise
     return state.report
+
+
+def check_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
+    """What ``patch_model(model, layernorm=layernorm)`` would patch, fuse and skip, changing nothing.
+
+    Lets a caller refuse an unsupported model before doing any work with it. For a patched model, the report
+    of the patch.
+
+    Raises:
+        UnsupportedModelError, UnconvertibleModelError, ValueError: as ``patch_model`` would.
+    """
+    root = _unwrap(model)
+    state = root.__dict__.get(_STATE_ATTR)
+    return state.report if state is not None else _checked_plan(root, layernorm).report
 
 
 def unpatch_model(model: nn.Module) -> None:
@@ -149,7 +147,7 @@ def _unwrap(model: object) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise UnsupportedModelError(
             f"patch_model expects a torch.nn.Module (a transformers model or a PEFT PeftModel), got "
-            f"{type(model).__module__}.{type(model).__qualname__}; supported families: {family_names()}"
+            f"{type(model).__module__}.{type(model).__qualname__}"
         )
     # PEFT's PeftModel: the transformers model is its base model (adapters wrap linears, never the norms).
     get_base_model = getattr(type(model), "get_base_model", None)
@@ -180,6 +178,12 @@ def _is_bound(method: object, module: nn.Module, function: object) -> bool:
     return isinstance(method, types.MethodType) and method.__self__ is module and method.__func__ is function
 
 
+def _backend_of(root: nn.Module) -> str:
+    """What will run the norms of ``root``, judged by where its first parameter lives."""
+    parameter = next(root.parameters(), None)
+    return backend.describe(parameter.device if parameter is not None else "cpu")
+
+
 def _is_norm_like(module: nn.Module) -> bool:
     return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
 
@@ -188,12 +192,41 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
+    """``_plan``, refusing a model where it would change nothing."""
+    plan = _plan(root, layernorm)
+    if plan.swaps or plan.already_patched:
+        return plan
+    model_name = type(root).__name__
+    model_type = getattr(getattr(root, "config", None), "model_type", None)
+    if model_type:
+        model_name += f" (model_type {model_type!r})"
+    found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
+    has_layernorm = any(isinstance(m, nn.LayerNorm) for m in root.modules())
+    if layernorm == "rmsnorm" and has_layernorm:
+        raise UnconvertibleModelError(
+            f"{model_name} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported family (post-LN "
+            "models normalise residual sums), so it cannot be converted to RMSNorm exactly; "
+            "supported families: hf_rmsnorm.patch.family_names()"
+        )
+    hint = (
+        ", outside any supported decoder: post-LN encoders such as BERT are not supported"
+        if has_layernorm and layernorm != "skip" else ""
+    )
+    raise UnsupportedModelError(
+        f"{model_name} has no norm hf_rmsnorm can patch (found: {', '.join(found) or 'none'}{hint}); "
+        "supported families: hf_rmsnorm.patch.family_names()"
+    )
+
+
 def _plan(root: nn.Module, layernorm: str) -> _Plan:
     """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
     MLP residual sum to which norm, and what happens to the LayerNorms."""
     reg = registry()
     layernorms = plan_layernorms(root, reg.stacks, layernorm)
-    report = PatchReport(centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()))
+    report = PatchReport(
+        centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()), backend=_backend_of(root)
+    )
     plan = _Plan(report, layernorms)
     norms, layer_candidates, stacks = _plan_norms(root, reg, plan)
     layers = _plan_layers(layer_candidates, norms, plan)

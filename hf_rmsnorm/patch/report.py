@@ -28,6 +28,8 @@ class PatchReport:
             in ``norms``). By default LayerNorms stay LayerNorms, computed by the fused kernels.
         centred: the parameters the conversion to RMSNorm changed (centred once, when patching).
         centred_inputs: the layers whose input the conversion centres on every forward (the stream's entrance).
+        backend: what runs the norms where the model's weights are now (``hf_rmsnorm.ops.backend.describe``):
+            the compiled Triton kernels, the same kernels in Triton's CPU interpreter, or the PyTorch path.
     """
 
     norms: list[str] = field(default_factory=list)
@@ -37,6 +39,7 @@ class PatchReport:
     converted: list[str] = field(default_factory=list)
     centred: list[str] = field(default_factory=list)
     centred_inputs: list[str] = field(default_factory=list)
+    backend: str = ""
 
     def __str__(self) -> str:
         families = f" ({', '.join(self.families)})" if self.families else ""
@@ -46,6 +49,8 @@ class PatchReport:
         ]
         if self.converted:
             lines[0] += f"; {len(self.converted)} LayerNorms converted to RMSNorm"
+        if self.backend:
+            lines.append(f"  runs on: {self.backend}")
         for title, items in (
             ("norms", self.norms),
             ("LayerNorms converted to RMSNorm", self.converted),
