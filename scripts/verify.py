@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Checks that hf_rmsnorm's patched model computes what the unpatched model computes, and how fast.
 
-    python scripts/verify.py                       # default preset, works offline on any machine
+    python scripts/verify.py                       # SmolLM2-135M-Instruct's real weights, works offline
     python scripts/verify.py --model Qwen/Qwen3-0.6B --dtype bf16 --json report.json
 
-Exit status: 0 parity passed, 1 parity failed, 2 bad input (one line on stderr, no traceback).
-The work is done by hf_rmsnorm.tools.verify; this file only reads the command line.
+Exit status: 0 parity passed, 1 parity failed, 2 bad input (one line on stderr, no traceback), 3 internal error
+(one line; --traceback shows the traceback). The work is done by hf_rmsnorm.tools.verify; this file only reads
+the command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -17,64 +19,78 @@ from pathlib import Path
 # Lets the script run from a checkout that was not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_rmsnorm.tools import cli  # noqa: E402  (defines no kernel)
+# Neither imports torch or transformers, so --help and argument errors answer at once.
+from hf_rmsnorm.tools import cli  # noqa: E402
+from hf_rmsnorm.tools.verify_settings import DEFAULTS, VERDICT_RULE, VerifyConfig  # noqa: E402
+
+EXIT_STATUSES = "Exit status: 0 passed, 1 failed, 2 bad input, 3 internal error."
 
 
-def parse_args(argv: list[str], device_type: str):
-    """The full command line as a ``VerifyConfig``, with the defaults of ``device_type`` filled in."""
-    from hf_rmsnorm.tools.parity import VERDICT_RULE
-    from hf_rmsnorm.tools.presets import DEFAULT_PRESET, PRESETS
-    from hf_rmsnorm.tools.verify import DEFAULTS, VerifyConfig
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line; per-device settings the user left out are None (see ``with_defaults``)."""
+    from hf_rmsnorm.tools.presets import DEFAULT_MODEL, PRESETS, REAL_PRESETS
 
     cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
     parser = cli.ArgumentParser(
         prog="verify.py",
-        description="Runs a model unpatched and patched by hf_rmsnorm on the same left-padded batch and reports "
-        "logit parity (against each other and against an fp32 copy of the unpatched model, fp64 for --dtype "
-        "fp32), greedy-generation agreement, the patch summary and, on a GPU, generate() prefill/decode speed "
-        "and peak memory. On CPU the kernels run in Triton's interpreter (correctness only; no speed figures). "
-        "The reference is the model upcast in place, so the run needs memory for the model in fp32 (fp64).",
-        epilog=f"Verdict: {VERDICT_RULE} Exit status: 0 passed, 1 failed, 2 bad input.",
+        description="Runs a model unpatched and patched by hf_rmsnorm on the same left-padded batch (chat "
+        "prompts when the model has a tokenizer) and reports logit parity (against each other and against an "
+        "fp32 copy of the unpatched model, fp64 for --dtype fp32), how many norm outputs round differently, "
+        "greedy-generation agreement with the generated text, the patch summary and, on a GPU, generate() "
+        "prefill/decode speed and peak memory. On CPU the kernels run in Triton's interpreter (correctness "
+        "only; no speed figures). The reference is the model upcast in place, so the run needs memory for the "
+        "model in fp32 (fp64).",
+        epilog=f"Verdict: {VERDICT_RULE} {EXIT_STATUSES}",
     )
-    parser.add_argument("--model", default=DEFAULT_PRESET, metavar="NAME_OR_PATH",
-                        help=f"a preset ({', '.join(PRESETS)}; default {DEFAULT_PRESET}, random weights, no "
-                        "network), a directory written by save_pretrained, or a Hub id")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
+                        help=f"a real-weights preset ({', '.join(REAL_PRESETS)}; default {DEFAULT_MODEL}: from "
+                        "the Hub, else offline from its pip package), a random-weight preset "
+                        f"({', '.join(PRESETS)}), a directory written by save_pretrained, or a Hub id")
     parser.add_argument("--dtype", default="bf16", metavar="{bf16,fp16,fp32}", help="model dtype (default bf16)")
     parser.add_argument("--device", default="auto", choices=cli.DEVICES, help="auto: cuda if available, else cpu")
     parser.add_argument("--batch-size", type=cli.at_least(1), default=None,
                         help=f"rows per batch (default {gpu['batch_size']} on GPU, {cpu['batch_size']} on CPU); "
                         "the speed run uses unpadded rows, the parity batch at least 2 left-padded rows")
     parser.add_argument("--prompt-len", type=cli.at_least(2), default=None,
-                        help=f"prompt tokens per row (default {gpu['prompt_len']} on GPU, {cpu['prompt_len']} "
-                        "on CPU); parity rows shrink down the batch to about half this, left-padded")
-    parser.add_argument("--max-new-tokens", type=cli.at_least(2), default=None,
+                        help=f"prompt tokens per row of the speed run, and of the parity run for models without "
+                        f"a tokenizer (default {gpu['prompt_len']} on GPU, {cpu['prompt_len']} on CPU)")
+    parser.add_argument("--max-new-tokens", type=cli.at_least(2, "decode is timed over the tokens after the "
+                                                                 "first, so it needs two"), default=None,
                         help=f"greedy tokens generated per row (default {gpu['max_new_tokens']} on GPU, "
-                        f"{cpu['max_new_tokens']} on CPU)")
+                        f"{cpu['max_new_tokens']} on CPU; parity rows stop early at end-of-sequence)")
     parser.add_argument("--repeats", type=cli.at_least(1), default=None,
                         help=f"timed runs per speed figure, median reported (default {gpu['repeats']}; GPU only)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
-    args = vars(parser.parse_args(argv))
-    del args["device"]
-    for key, value in DEFAULTS[device_type].items():
-        if args[key] is None:
-            args[key] = value
-    if args["json"] is not None and not args["json"].expanduser().absolute().parent.is_dir():
-        raise cli.InputError(f"--json {args['json']}: directory {args['json'].expanduser().absolute().parent} "
+    args = parser.parse_args(argv)
+    if args.json is not None and not args.json.expanduser().absolute().parent.is_dir():
+        raise cli.InputError(f"--json {args.json}: directory {args.json.expanduser().absolute().parent} "
                              "does not exist")
-    return VerifyConfig(**args)
+    return args
+
+
+def with_defaults(args: argparse.Namespace, device_type: str) -> VerifyConfig:
+    """The ``VerifyConfig`` of ``args``, with the defaults of ``device_type`` filled in."""
+    settings = {key: value for key, value in vars(args).items() if key != "device"}
+    for key, value in DEFAULTS[device_type].items():
+        if settings[key] is None:
+            settings[key] = value
+    return VerifyConfig(**settings)
 
 
 def _main(argv: list[str]) -> int:
-    # The device first: on CPU the kernels must be defined for Triton's interpreter.
-    device = cli.select_device(cli.requested_device(argv))
+    args = parse_args(argv)
+    # The device before anything defines a kernel: on CPU the kernels must be defined for Triton's interpreter.
+    device = cli.select_device(args.device)
     # Quiet transformers' own progress bars and advice: verify's step lines are the progress indication.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    config = parse_args(argv, device.type)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # the GGUF loader's dequantization bar
     from hf_rmsnorm.tools.verify import verify
 
-    return cli.EXIT_OK if verify(config, device)["passed"] else cli.EXIT_FAILED
+    return cli.EXIT_OK if verify(with_defaults(args, device.type), device)["passed"] else cli.EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

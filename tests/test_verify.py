@@ -22,7 +22,7 @@ from hf_rmsnorm.tools.presets import DEFAULT_PRESET, PRESETS, build_preset
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "verify.py"
 # Small enough that one run is a few seconds on two cores, large enough for padding and several decode steps.
-QUICK = ["--device", "cpu", "--prompt-len", "12", "--max-new-tokens", "4"]
+QUICK = ["--device", "cpu", "--batch-size", "2", "--prompt-len", "12", "--max-new-tokens", "4"]
 
 
 def run_verify(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -128,7 +128,10 @@ def test_cli_unsupported_architecture(tmp_path):
                         intermediate_size=64, is_decoder=True)
     BertLMHeadModel(config).save_pretrained(tmp_path / "bert")
     result = run_verify("--model", str(tmp_path / "bert"), *QUICK)
-    assert_bad_input(result, "BertLMHeadModel", "Llama", "Qwen3", "LayerNorm", "post-LN")
+    assert_bad_input(result, "BertLMHeadModel (model_type 'bert')", "LayerNorm", "post-LN", "family_names()")
+    # Refused right after loading, before any model run, in one short line.
+    assert "unpatched model" not in result.stderr
+    assert len(result.stderr.splitlines()[-1].replace(str(tmp_path / "bert"), "")) < 250
 
 
 @pytest.mark.slow
@@ -188,10 +191,18 @@ def _logits(seed: int = 0, positions: int = 8, vocab: int = 32) -> torch.Tensor:
     return torch.randn(positions, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 3
 
 
-def _compare(eager, patched, reference, dtype=torch.bfloat16, tokens=None, patched_tokens=None):
-    tokens = torch.zeros(2, 4, dtype=torch.long) if tokens is None else tokens
-    patched_tokens = tokens if patched_tokens is None else patched_tokens
-    return parity.compare(eager, patched, reference, dtype, tokens, patched_tokens)
+def _generation(tokens: torch.Tensor, logits: torch.Tensor | None = None) -> workload.Generation:
+    """A greedy generation of ``tokens`` ``[batch, steps]``; by default each step's logits favour its token by 5."""
+    if logits is None:
+        logits = torch.zeros(tokens.shape[1], tokens.shape[0], 32)
+        logits.scatter_(-1, tokens.T.unsqueeze(-1), 5.0)
+    return workload.Generation(tokens, logits)
+
+
+def _compare(eager, patched, reference, dtype=torch.bfloat16, generation=None, patched_generation=None):
+    generation = _generation(torch.zeros(2, 4, dtype=torch.long)) if generation is None else generation
+    patched_generation = generation if patched_generation is None else patched_generation
+    return parity.compare(eager, patched, reference, dtype, generation, patched_generation)
 
 
 def test_identical_models_pass():
@@ -240,13 +251,41 @@ def test_nan_logits_fail():
     assert not _compare(reference.clone(), patched, reference).passed
 
 
-def test_greedy_divergence_is_reported_not_judged():
-    reference = _logits()
+def _diverging_generations(eager_gap: float) -> tuple[workload.Generation, workload.Generation]:
+    """Row 1 picks token 0 (unpatched) or 7 (patched) at step 2; the unpatched model's logits favour its token
+    by ``eager_gap``, the patched model's favour token 7 by 0.01."""
     tokens = torch.zeros(2, 4, dtype=torch.long)
     other = tokens.clone()
-    other[1, 2] = 7
-    report = _compare(reference.clone(), reference.clone(), reference, tokens=tokens, patched_tokens=other)
-    assert not report.greedy_match and report.greedy_first_divergence == 2 and report.passed
+    other[1, 2:] = 7
+    eager, patched = _generation(tokens), _generation(other)
+    eager.logits[2, 1, 7] = 5.0 - eager_gap
+    patched.logits[2, 1, 0] = 5.0 - 0.01
+    return eager, patched
+
+
+def test_greedy_divergence_at_a_near_tie_passes_and_is_reported():
+    reference = _logits()
+    eager, patched = _diverging_generations(eager_gap=0.05)  # bf16 noise at |logit| 5: 4 * 2**-7 * 5 = 0.16
+    report = _compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched)
+    assert not report.greedy_match and report.greedy_first_divergence == 2
+    (divergence,) = report.divergences
+    assert (divergence.row, divergence.step, divergence.eager_token, divergence.patched_token) == (1, 2, 0, 7)
+    assert divergence.eager_gap == pytest.approx(0.05, abs=1e-6)
+    assert divergence.patched_gap == pytest.approx(0.01, abs=1e-6)
+    assert divergence.near_tie and report.greedy_ok and report.passed
+    assert report.to_dict()["divergences"][0]["near_tie"] is True
+
+
+def test_greedy_divergence_where_the_model_was_decisive_fails():
+    reference = _logits()
+    eager, patched = _diverging_generations(eager_gap=1.0)
+    report = _compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched)
+    assert not report.divergences[0].near_tie and not report.greedy_ok and not report.passed
+    # The unpatched model's own prompt error widens the noise: an error of 0.5 makes a gap of 1.0 a near-tie.
+    sloppy = reference.clone()
+    sloppy[0, 0] += 0.5
+    report = _compare(sloppy, sloppy.clone(), reference, generation=eager, patched_generation=patched)
+    assert report.divergences[0].noise == pytest.approx(1.0) and report.greedy_ok
 
 
 def test_prompts_are_left_padded():
@@ -289,16 +328,27 @@ def test_speed_figures_and_report(monkeypatch):
     assert speedups(figures, figures) == {"prefill_speedup": 1.0, "decode_speedup": 1.0}
 
     reference = _logits()
-    parity_figures = _compare(reference.clone(), reference.clone(), reference).to_dict()
+    eager, patched = _diverging_generations(eager_gap=0.05)
+    parity_figures = _compare(reference.clone(), reference.clone(), reference, generation=eager,
+                              patched_generation=patched).to_dict()
     report = {
         "passed": True, "failure": None, "model": "m", "model_class": "C", "parameters": 10**6, "dtype": "bf16",
-        "settings": {"batch_size": 1, "parity_batch_size": 2, "prompt_len": 8, "max_new_tokens": 3, "repeats": 2},
+        "weights": "random weights (seed 0)",
+        "settings": {"batch_size": 1, "parity_batch_size": 2, "parity_prompts": "chat", "parity_prompt_len": 9,
+                     "prompt_len": 8, "max_new_tokens": 3, "repeats": 2},
         "environment": {"hf_rmsnorm": "0", "torch": "0", "transformers": "0", "triton": "0", "python": "3",
                         "device_name": "GPU", "triton_interpreter": False},
         "patch": {"norms": 5, "fused_adds": 4, "skipped": 1, "skipped_modules": [["lm_head", "not a norm"]]},
         "parity": parity_figures,
+        "norm_outputs": {"norm_calls": 5, "elements": 2_000_000, "differing": 3, "max_ulp": 1},
+        "generations": [{"prompt": "Q0?", "unpatched": "A0", "patched": "A0"},
+                        {"prompt": "Q1?", "unpatched": "A1", "patched": "B1"}],
         "speed": {"unpatched": figures.to_dict(), "patched": figures.to_dict(), **speedups(figures, figures)},
     }
     text = render(report)
     assert "decode tokens/s" in text and "1.000x" in text and "skipped lm_head: not a norm" in text
     assert "Verdict: PASS" in text and "interpreter" not in text
+    assert "3 of 2.00M elements differ (5 norm calls), by at most 1 ulp" in text
+    assert "row 1 first differs at token 2: unpatched gap 0.05" in text and "a near-tie" in text
+    assert "[1] Q1?" in text and "patched:   'B1'" in text and "patched:   (identical)" in text
+    assert "first differ in 1 rows, all at near-ties (ok)" in text

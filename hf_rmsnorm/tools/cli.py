@@ -2,7 +2,11 @@
 
 Every script in ``scripts/`` has the same shape: parse the arguments (with ``ArgumentParser``), set up the
 device (``select_device``, before anything defines a kernel), run one function of ``hf_rmsnorm.tools`` and turn
-its result into an exit status; ``run`` turns an ``InputError`` into one line on stderr and ``EXIT_BAD_INPUT``.
+its result into an exit status. ``run`` turns an ``InputError`` into one line on stderr and ``EXIT_BAD_INPUT``,
+and any other exception (a bug, or a model the libraries below cannot run) into one line and ``EXIT_INTERNAL``,
+with the traceback behind ``--traceback``.
+
+This module imports torch only to select a device, so ``--help`` answers at once.
 """
 
 from __future__ import annotations
@@ -10,15 +14,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from ..ops import backend
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 DEVICES = ("auto", "cuda", "cpu")
+TRACEBACK_FLAG = "--traceback"
 
 
 class InputError(ValueError):
@@ -26,23 +31,51 @@ class InputError(ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """Reports a usage error as an ``InputError`` (one line, exit status 2) instead of the usage block."""
+    """Reports a usage error as an ``InputError`` (one line, exit status 2) instead of the usage block, and
+    accepts ``--traceback``, which ``run`` reads from the command line (it is not in the parsed namespace, so
+    scripts can turn the namespace into their settings as it is)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.add_help:
+            self.add_argument(TRACEBACK_FLAG, action="store_true", dest="_traceback",
+                              help="on an internal error, print the full traceback instead of one line")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        parsed.__dict__.pop("_traceback", None)
+        return parsed, rest
 
     def error(self, message: str) -> NoReturn:
         raise InputError(message)
 
 
-def run(prog: str, main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
-    """``main(argv)``'s exit status; an ``InputError`` becomes one line on stderr and ``EXIT_BAD_INPUT``.
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
-    Under a multi-process launch every process meets the same error, and only the first prints it.
+
+def run(prog: str, main: Callable[[list[str]], int], argv: list[str] | None = None) -> int:
+    """``main(argv)``'s exit status.
+
+    An ``InputError`` becomes one line on stderr and ``EXIT_BAD_INPUT``; any other exception one line naming
+    it and ``EXIT_INTERNAL`` (the whole traceback with ``--traceback``). Under a multi-process launch every
+    process meets the same error, and only the first prints it.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    first = os.environ.get("RANK", "0") == "0"
     try:
-        return main(sys.argv[1:] if argv is None else argv)
+        return main(argv)
     except InputError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        if first:
+            print(f"{prog}: error: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as exc:  # noqa: BLE001 (the point: no traceback a user did not ask for)
+        if TRACEBACK_FLAG in argv:
+            traceback.print_exc()
+        elif first:
+            print(f"{prog}: internal error: {type(exc).__name__}: {_one_line(str(exc))[:300]} "
+                  f"(rerun with {TRACEBACK_FLAG} for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 def requested_device(argv: list[str]) -> str:
@@ -56,6 +89,10 @@ def requested_device(argv: list[str]) -> str:
 def select_device(requested: str = "auto") -> torch.device:
     """The device a run uses (``auto``: the GPU when there is one), with the kernels set up for it: compiled on
     a GPU, in Triton's interpreter on the CPU (``hf_rmsnorm.ops.backend.configure``)."""
+    import torch
+
+    from ..ops import backend
+
     if requested == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda, but torch sees no GPU (torch.cuda.is_available() is False); use --device cpu")
     device = torch.device("cuda" if requested != "cpu" and torch.cuda.is_available() else "cpu")
@@ -63,8 +100,8 @@ def select_device(requested: str = "auto") -> torch.device:
     return device
 
 
-def at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer no smaller than ``minimum``."""
+def at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than ``minimum``; ``why`` (a clause) is added to the refusal."""
 
     def parse(text: str) -> int:
         try:
@@ -72,7 +109,8 @@ def at_least(minimum: int) -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}{reason}, got {value}")
         return value
 
     return parse

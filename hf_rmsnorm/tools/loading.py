@@ -1,5 +1,8 @@
 """Loads a causal LM from a preset name, a ``save_pretrained`` directory or a Hub id, with one-line errors.
 
+A real-weights preset (``presets.REAL_PRESETS``) comes from the local Hugging Face cache, else the Hub when it
+answers, else the GGUF copy of a pip package (offline), which transformers dequantizes into a dense model.
+
 Every failure a user can cause (a mistyped path, a directory without a model, no network, an unknown dtype)
 is raised as ``ModelLoadError`` with a message that says what to do instead, so command-line scripts can print
 it as one line and exit. Whether the patcher *supports* the architecture is not decided here: loading just
@@ -8,6 +11,8 @@ loads, and ``patch_model`` raises ``UnsupportedModelError``.
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
 import socket
 import urllib.request
@@ -15,10 +20,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .cli import InputError
-from .presets import PRESETS, build_preset
+from .presets import PRESETS, REAL_PRESETS, RealPreset, build_preset, preset_names
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -40,7 +46,13 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def _choices_hint() -> str:
-    return f"pass a directory written by save_pretrained or a preset ({', '.join(PRESETS)})"
+    return f"pass a directory written by save_pretrained or a preset ({', '.join(preset_names())})"
+
+
+def _closest_preset(name: str) -> str | None:
+    """The preset ``name`` most likely misspells (``tiny_llama`` -> ``tiny-llama``), if any is close."""
+    matches = difflib.get_close_matches(name.lower().replace("_", "-"), preset_names(), n=1, cutoff=0.7)
+    return matches[0] if matches else None
 
 
 def looks_like_path(name: str) -> bool:
@@ -86,14 +98,23 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _from_pretrained(
-    source: str, dtype: torch.dtype, device: torch.device, *, local_only: bool, with_tokenizer: bool
+    source: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    local_only: bool,
+    with_tokenizer: bool,
+    **file_args,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     # On a GPU, device_map puts the weights straight on the card (one device: no accelerate hooks).
     device_map = {"": device} if device.type != "cpu" else None
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, device_map=device_map, local_files_only=local_only
+        source, dtype=dtype, device_map=device_map, local_files_only=local_only, **file_args
     )
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only) if with_tokenizer else None
+    tokenizer = (
+        AutoTokenizer.from_pretrained(source, local_files_only=local_only, gguf_file=file_args.get("gguf_file"))
+        if with_tokenizer else None
+    )
     return model.to(device).eval(), tokenizer
 
 
@@ -113,7 +134,13 @@ def _load_directory(name: str, dtype: torch.dtype, device: torch.device):
         raise ModelLoadError(f"{name}: transformers cannot load it as a causal LM: {_first_line(exc)}") from exc
 
 
-def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device):
+class HubUnavailable(ModelLoadError):
+    """The Hub id is valid but neither cached nor fetchable now."""
+
+
+def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device, *, fallback: str | None = None):
+    """``repo_id`` from the local cache, else from the Hub; ``fallback`` (a sentence) is added to the errors
+    that say it could not be fetched, and the caller may catch ``HubUnavailable`` to try another source."""
     from huggingface_hub import is_offline_mode, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -126,19 +153,69 @@ def _load_hub(repo_id: str, dtype: torch.dtype, device: torch.device):
             from exc
     except LocalEntryNotFoundError:
         pass  # not cached: fetch it if the Hub can be reached
+    hint = fallback or _choices_hint()
     if is_offline_mode():
-        raise ModelLoadError(
-            f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {_choices_hint()}"
-        )
+        raise HubUnavailable(f"{repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")
     if not _hub_reachable():
-        raise ModelLoadError(
-            f"{repo_id!r} is not cached and the Hugging Face Hub is unreachable; {_choices_hint()}, "
-            "and set HF_HUB_OFFLINE=1 to skip network attempts"
+        raise HubUnavailable(
+            f"{repo_id!r} is not cached and the Hugging Face Hub is unreachable; {hint}"
+            + ("" if fallback else ", and set HF_HUB_OFFLINE=1 to skip network attempts")
         )
     try:
         return _from_pretrained(repo_id, dtype, device, local_only=False, with_tokenizer=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"{repo_id!r}: cannot load it from the Hub: {_first_line(exc)}") from exc
+        raise HubUnavailable(f"{repo_id!r}: cannot load it from the Hub: {_first_line(exc)}; {hint}") from exc
+
+
+def gguf_copy(preset: RealPreset) -> Path | None:
+    """The GGUF file of ``preset``'s pip package, if that package is installed.
+
+    Found without importing the package: its ``__init__`` imports dependencies that ``--no-deps`` left out.
+    """
+    spec = importlib.util.find_spec(preset.module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / preset.gguf_file
+    return path if path.is_file() else None
+
+
+def _load_gguf(name: str, preset: RealPreset, path: Path, dtype: torch.dtype, device: torch.device):
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(f"{name}: reading {path.name} needs the gguf package; run: pip install gguf")
+    # Dequantize every weight into a plain dense model: transformers versions that can keep GGUF weights
+    # packed would otherwise swap nn.Linear for their own quantized layers and a different attention kernel,
+    # and the check would no longer compare the model people run.
+    file_args = {"gguf_file": path.name}
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    if gguf_config is not None:
+        file_args["quantization_config"] = gguf_config(dequantize=True)
+    try:
+        return _from_pretrained(str(path.parent), dtype, device, local_only=True, with_tokenizer=True, **file_args)
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        raise ModelLoadError(f"{name}: transformers cannot load {path}: {_first_line(exc)}") from exc
+
+
+def _load_real_preset(name: str, dtype: torch.dtype, device: torch.device):
+    preset = REAL_PRESETS[name]
+    path = gguf_copy(preset)
+    try:
+        return _load_hub(preset.hub_id, dtype, device, fallback=f"for an offline copy run: {preset.install_command}")
+    except HubUnavailable:
+        if path is None:
+            raise
+    return _load_gguf(name, preset, path, dtype, device)
+
+
+def weights_source(name_or_path: str, model: PreTrainedModel, seed: int = 0) -> str:
+    """Where ``load_model(name_or_path)`` took ``model``'s weights from, for reports."""
+    if name_or_path in PRESETS:
+        return f"random weights (seed {seed})"
+    if name_or_path in REAL_PRESETS:
+        preset = REAL_PRESETS[name_or_path]
+        if str(model.name_or_path).endswith(preset.module):
+            return f"{preset.gguf_file} of the {preset.distribution} package, dequantized ({preset.description})"
+        return f"{preset.hub_id} from the Hugging Face Hub ({preset.description})"
+    return str(model.name_or_path or name_or_path)
 
 
 def load_model(
@@ -147,9 +224,10 @@ def load_model(
     """Loads a causal LM in eval mode on ``device``, with its tokenizer when one is available.
 
     Args:
-        name_or_path: a preset name (see ``hf_rmsnorm.presets.PRESETS``; no tokenizer), a directory written by
-            ``save_pretrained`` (see ``looks_like_path``), or a Hub id such as ``Qwen/Qwen3-0.6B`` (the local
-            cache is tried first, and the network only when the Hub answers within a few seconds).
+        name_or_path: a random-weight preset (see ``presets.PRESETS``; no tokenizer), a real-weights preset
+            (``presets.REAL_PRESETS``; from the cache, the Hub or its pip package's GGUF file), a directory
+            written by ``save_pretrained`` (see ``looks_like_path``), or a Hub id such as ``Qwen/Qwen3-0.6B``
+            (the local cache is tried first, and the network only when the Hub answers within a few seconds).
         dtype: the dtype of the weights.
         device: where the model goes.
         seed: random seed for a preset's weights; ignored for saved models.
@@ -162,6 +240,15 @@ def load_model(
     device = torch.device(device)
     if name_or_path in PRESETS:
         return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None
+    if name_or_path in REAL_PRESETS:
+        return _load_real_preset(name_or_path, dtype, device)
     if looks_like_path(name_or_path):
         return _load_directory(name_or_path, dtype, device)
-    return _load_hub(name_or_path, dtype, device)
+    try:
+        return _load_hub(name_or_path, dtype, device)
+    except HubUnavailable:
+        suggestion = _closest_preset(name_or_path) if "/" not in name_or_path else None
+        if suggestion is None:
+            raise
+        raise ModelLoadError(f"{name_or_path!r} is not a preset (did you mean {suggestion!r}?) and not a cached "
+                             "Hub model; check the spelling") from None

@@ -4,7 +4,8 @@ The check runs one left-padded batch through the eager model, through the same w
 (the reference: fp32, or fp64 when the model runs in fp32) and through the patched model, then asks whether
 the patched model is as good an approximation of the reference as the eager model is.
 
-Verdict (``VERDICT_RULE`` states it for users): the patched model passes when
+Verdict (``verify_settings.VERDICT_RULE`` states it for users and holds the thresholds): the patched model
+passes when
 
 1. accuracy: its mean |logit error| against the reference is at most ``ACCURACY_SLACK`` (1.10) times the
    eager model's. Both models share every rounding outside the norms, so their errors are nearly the same
@@ -19,8 +20,19 @@ Verdict (``VERDICT_RULE`` states it for users): the patched model passes when
    eager model meets rule 2 by construction of the second term, so a failure means the patched model errs
    where the eager model does not.
 
-Greedy generation is compared and reported but does not decide the verdict: one near-tie flipped by a
-legitimate rounding difference changes every later token.
+3. generation: each row's greedy tokens are the eager model's, or first differ at a near-tie: a step where
+   the eager model's logit for its own token beats its logit for the patched model's token by no more than
+   the noise at that step, ``NOISE_EPS_FACTOR`` epsilons times the step's largest |logit| or twice the
+   largest |logit error| the eager model made on the prompt (generated positions have no reference, so the
+   eager model's worst observed error stands in). A near-tie flipped by a legitimate rounding difference
+   changes every later token of its row, so only the first divergence is judged, and it is reported with
+   its logit gap.
+
+Logits are not expected to be bitwise equal to the eager model's: the kernels sum a row's squares in a
+different order than PyTorch does, so their fp32 rstd differs from PyTorch's by an ulp in some rows, which
+flips the rounding of a few half-precision norm outputs, and those flips spread through the later layers.
+What is claimed is accuracy: no worse than eager against a higher-precision copy, same decisions wherever the
+decision is not a near-tie.
 """
 
 from __future__ import annotations
@@ -35,17 +47,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-ACCURACY_SLACK = 1.10
-NOISE_EPS_FACTOR = 4
-
-VERDICT_RULE = (
-    "PASS when (1) the patched model's mean |logit error| against the reference (the unpatched model upcast "
-    f"to fp32, or fp64 for an fp32 run) is at most {ACCURACY_SLACK:.2f}x the unpatched model's, and (2) its "
-    "top-1 token equals the reference's wherever the reference's top-1 minus top-2 logit exceeds the dtype's "
-    f"noise: max({NOISE_EPS_FACTOR} * eps(dtype) * max|logit| at that position, 2 * the unpatched model's "
-    "largest |logit error| there). Greedy generation is reported, not judged."
-)
-
+from .verify_settings import ACCURACY_SLACK, NOISE_EPS_FACTOR
+from .workload import Generation
 
 def reference_dtype(dtype: torch.dtype) -> torch.dtype:
     """The precision the reference runs in: fp32 for half-precision models, fp64 for fp32 ones."""
@@ -74,6 +77,25 @@ def upcast(model: PreTrainedModel, dtype: torch.dtype) -> Iterator[PreTrainedMod
 
 
 @dataclass
+class Divergence:
+    """Where one row's greedy tokens first differ, and how close the choice was (rule 3)."""
+
+    row: int
+    step: int
+    eager_token: int
+    patched_token: int
+    # Each model's logit for its own token minus its logit for the other model's token.
+    eager_gap: float
+    patched_gap: float
+    noise: float
+
+    @property
+    def near_tie(self) -> bool:
+        """Whether the eager model itself barely preferred its token: a legitimate flip."""
+        return self.eager_gap <= self.noise
+
+
+@dataclass
 class ParityReport:
     """Parity figures of a patched model against the eager model and the reference (see module docstring)."""
 
@@ -95,22 +117,30 @@ class ParityReport:
     decisive_positions: int
     eager_top1_misses: int
     patched_top1_misses: int
-    # Greedy generation, patched against eager.
+    # Fraction of logits bitwise equal, patched against eager.
+    logits_equal_fraction: float
+    # Greedy generation, patched against eager (rule 3).
     new_tokens: int
     greedy_match: bool
     greedy_first_divergence: int | None
+    divergences: list[Divergence]
     # Verdict.
     accuracy_ok: bool
     top1_ok: bool
+    greedy_ok: bool
 
     @property
     def passed(self) -> bool:
-        """The verdict: both rules hold."""
-        return self.accuracy_ok and self.top1_ok
+        """The verdict: all three rules hold."""
+        return self.accuracy_ok and self.top1_ok and self.greedy_ok
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every figure plus ``passed``."""
-        return {**asdict(self), "passed": self.passed}
+        return {
+            **asdict(self),
+            "divergences": [{**asdict(d), "near_tie": d.near_tie} for d in self.divergences],
+            "passed": self.passed,
+        }
 
 
 def noise(dtype: torch.dtype, reference: Tensor, eager: Tensor) -> Tensor:
@@ -127,10 +157,28 @@ def _kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-def _first_divergence(a: Tensor, b: Tensor) -> int | None:
-    """Index of the first generated token where any row of ``a`` and ``b`` differs, or None."""
-    differs = (a != b).any(0).nonzero()
-    return int(differs[0]) if differs.numel() else None
+def divergences(eager: Generation, patched: Generation, dtype: torch.dtype, eager_max_err: float) -> list[Divergence]:
+    """Each row's first differing greedy token, with both models' logit gaps and the noise there (rule 3)."""
+    found = []
+    steps = min(eager.tokens.shape[1], patched.tokens.shape[1])
+    for row in range(eager.tokens.shape[0]):
+        differs = (eager.tokens[row, :steps] != patched.tokens[row, :steps]).nonzero()
+        if not differs.numel():
+            continue
+        step = int(differs[0])
+        mine, theirs = int(eager.tokens[row, step]), int(patched.tokens[row, step])
+        eager_logits, patched_logits = eager.logits[step, row].double(), patched.logits[step, row].double()
+        a_priori = NOISE_EPS_FACTOR * torch.finfo(dtype).eps * float(eager_logits.abs().max())
+        found.append(Divergence(
+            row=row,
+            step=step,
+            eager_token=mine,
+            patched_token=theirs,
+            eager_gap=float(eager_logits[mine] - eager_logits[theirs]),
+            patched_gap=float(patched_logits[theirs] - patched_logits[mine]),
+            noise=max(a_priori, 2 * eager_max_err),
+        ))
+    return found
 
 
 def compare(
@@ -138,8 +186,8 @@ def compare(
     patched: Tensor,
     reference: Tensor,
     dtype: torch.dtype,
-    eager_tokens: Tensor,
-    patched_tokens: Tensor,
+    eager_generation: Generation,
+    patched_generation: Generation,
 ) -> ParityReport:
     """Computes every parity figure and the verdict.
 
@@ -147,8 +195,9 @@ def compare(
         eager, patched, reference: ``[positions, vocab]`` logits from ``prompt_logits`` of the unpatched model,
             the patched model and the unpatched model in the reference dtype.
         dtype: the dtype the eager and patched models ran in.
-        eager_tokens, patched_tokens: greedy tokens from ``greedy_tokens``.
+        eager_generation, patched_generation: greedy generations from ``workload.greedy_tokens``.
     """
+    equal = float((patched == eager).double().mean())
     ref = reference.double()
     eager, patched = eager.double(), patched.double()
     diff = (patched - eager).abs()
@@ -162,7 +211,7 @@ def compare(
     eager_misses = int(((eager.argmax(-1) != ref_top1) & decisive).sum())
     patched_misses = int(((patched.argmax(-1) != ref_top1) & decisive).sum())
 
-    divergence = _first_divergence(eager_tokens, patched_tokens)
+    diverged = divergences(eager_generation, patched_generation, dtype, float(eager_err.max()))
     report = ParityReport(
         dtype=str(dtype).removeprefix("torch."),
         reference_dtype=str(reference.dtype).removeprefix("torch."),
@@ -179,11 +228,14 @@ def compare(
         decisive_positions=int(decisive.sum()),
         eager_top1_misses=eager_misses,
         patched_top1_misses=patched_misses,
-        new_tokens=int(eager_tokens.shape[1]),
-        greedy_match=divergence is None,
-        greedy_first_divergence=divergence,
+        logits_equal_fraction=equal,
+        new_tokens=int(eager_generation.tokens.shape[1]),
+        greedy_match=not diverged and eager_generation.tokens.shape == patched_generation.tokens.shape,
+        greedy_first_divergence=min((d.step for d in diverged), default=None),
+        divergences=diverged,
         accuracy_ok=float(patched_err.mean()) <= ACCURACY_SLACK * float(eager_err.mean()),
         top1_ok=patched_misses == 0,
+        greedy_ok=all(d.near_tie for d in diverged),
     )
     if not all(math.isfinite(v) for v in (report.max_abs_diff, report.kl_max, report.patched_max_err)):
         # NaN compares false everywhere, so the rules above could not see it; a NaN logit is a failure.

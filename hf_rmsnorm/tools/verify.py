@@ -1,9 +1,10 @@
 """``scripts/verify.py``'s job: patch a model and check it computes what the unpatched model computes, and how
 fast, on a GPU.
 
-The unpatched model runs first, then the same weights upcast in place (the reference), then the patched model:
-no second copy of the model is ever held. ``run`` returns the report as a JSON-ready dict and ``render`` prints
-it; the verdict rule is ``parity.VERDICT_RULE``.
+The model is refused at once if the patcher cannot patch it. Then the unpatched model runs (recording every
+norm's input and output), then the same weights upcast in place (the reference), then the patched model: no
+second copy of the model is ever held. ``run`` returns the report as a JSON-ready dict and ``render`` prints
+it; the verdict rule is ``verify_settings.VERDICT_RULE``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import json
 import platform
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -24,33 +23,13 @@ import triton
 import hf_rmsnorm
 
 from ..ops import backend
-from ..patch import UnsupportedModelError, patch_model
+from ..patch import UnsupportedModelError, check_model, patch_model
 from . import parity, workload
 from .cli import InputError
-from .loading import DTYPES, load_model, parse_dtype
+from .loading import DTYPES, load_model, parse_dtype, weights_source
+from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import measure_generate, speedups
-
-# Per-device defaults: a CPU run goes through Triton's interpreter and must stay quick; a GPU run uses the
-# decode-bound workload the kernels are meant for (one prompt of 128 tokens, 256 new tokens).
-DEFAULTS = {
-    "cpu": {"batch_size": 2, "prompt_len": 32, "max_new_tokens": 16, "repeats": 5},
-    "cuda": {"batch_size": 1, "prompt_len": 128, "max_new_tokens": 256, "repeats": 5},
-}
-
-
-@dataclass(frozen=True)
-class VerifyConfig:
-    """The command line of ``scripts/verify.py``; see its ``--help``."""
-
-    model: str
-    dtype: str
-    batch_size: int
-    prompt_len: int
-    max_new_tokens: int
-    repeats: int
-    seed: int = 0
-    json: Path | None = None
-
+from .verify_settings import VERDICT_RULE, VerifyConfig
 
 @contextlib.contextmanager
 def step(label: str) -> Iterator[None]:
@@ -82,6 +61,17 @@ def _g(value: float) -> str:
     return f"{value:.3g}"
 
 
+def _count_plain(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
+
+
+def _greedy_summary(par: dict) -> str:
+    rows = len(par["divergences"])
+    if par["greedy_match"]:
+        return "identical"
+    return f"differs in {rows} rows" if rows else "differs in length"
+
+
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
@@ -92,6 +82,7 @@ def render(report: dict) -> str:
     lines = [
         f"hf_rmsnorm {env['hf_rmsnorm']} verify: {report['model']} ({report['model_class']}, "
         f"{_count(report['parameters'])} parameters), {report['dtype']} on {env['device_name']}",
+        f"weights: {report['weights']}",
         f"torch {env['torch']}, transformers {env['transformers']}, triton {env['triton']}, "
         f"Python {env['python']}",
     ]
@@ -105,10 +96,15 @@ def render(report: dict) -> str:
     lines += [f"  skipped {name}: {reason}" for name, reason in patch["skipped_modules"]]
 
     positions = par["positions"]
+    prompts = (
+        f"{settings['parity_batch_size']} chat prompts" if settings.get("parity_prompts") == "chat"
+        else f"{settings['parity_batch_size']} passage rows"
+    )
+    norms = report["norm_outputs"]
     lines += [
         "",
-        f"Parity: {settings['parity_batch_size']} rows left-padded to {settings['prompt_len']} tokens "
-        f"({positions} real positions); reference = unpatched model in {par['reference_dtype']}",
+        f"Parity: {prompts} left-padded to {settings['parity_prompt_len']} tokens ({positions} real positions); "
+        f"reference = unpatched model in {par['reference_dtype']}",
         _table([
             ("", "unpatched", "patched"),
             ("max |logit error| vs reference", _g(par["eager_max_err"]), _g(par["patched_max_err"])),
@@ -118,14 +114,28 @@ def render(report: dict) -> str:
         ]),
         "Patched vs unpatched",
         _table([
+            ("norm outputs, same inputs", f"{norms['differing']} of {_count_plain(norms['elements'])} elements "
+             f"differ ({norms['norm_calls']} norm calls), by at most {norms['max_ulp']} ulp"),
+            ("logits bitwise equal", f"{100 * par['logits_equal_fraction']:.1f}%"),
             ("max / mean |d logits|", f"{_g(par['max_abs_diff'])} / {_g(par['mean_abs_diff'])}"),
             ("top-1 agreement", f"{100 * par['top1_agreement']:.1f}% of {positions} positions"),
             ("KL divergence mean / max", f"{_g(par['kl_mean'])} / {_g(par['kl_max'])}"),
-            (f"greedy generation, {par['new_tokens']} tokens",
-             "identical" if par["greedy_match"] else f"differs from token {par['greedy_first_divergence']}"),
+            (f"greedy generation, up to {settings['max_new_tokens']} tokens", _greedy_summary(par)),
         ], numeric=False),
-        "",
     ]
+    lines += [
+        f"  row {d['row']} first differs at token {d['step']}: unpatched gap {_g(d['eager_gap'])}, patched gap "
+        f"{_g(d['patched_gap'])}, noise {_g(d['noise'])}: {'a near-tie' if d['near_tie'] else 'NOT a near-tie'}"
+        for d in par["divergences"]
+    ]
+    if report.get("generations"):
+        lines += ["", "Generated text"]
+        for i, item in enumerate(report["generations"]):
+            lines.append(f"  [{i}] {item['prompt']}")
+            lines.append(f"      unpatched: {item['unpatched']!r}")
+            same = item["patched"] == item["unpatched"]
+            lines.append(f"      patched:   {'(identical)' if same else repr(item['patched'])}")
+    lines.append("")
     if speed is None:
         lines.append("Speed: not measured; it needs a GPU (the interpreter's timings would mean nothing).")
     else:
@@ -146,19 +156,32 @@ def render(report: dict) -> str:
         ]
     eager_err, patched_err = par["eager_mean_err"], par["patched_mean_err"]
     ratio = patched_err / eager_err if eager_err else (1.0 if patched_err == 0 else float("inf"))
+    flips = len(par["divergences"])
     lines += [
         "",
         f"Verdict: {'PASS' if report['passed'] else 'FAIL'}: error vs reference {ratio:.3f}x the unpatched "
         f"model's ({'ok' if par['accuracy_ok'] else 'too high'}), {par['patched_top1_misses']} top-1 misses "
-        f"where the reference is decisive ({'ok' if par['top1_ok'] else 'must be 0'})",
+        f"where the reference is decisive ({'ok' if par['top1_ok'] else 'must be 0'}), greedy tokens "
+        + ("identical" if not flips else f"first differ in {flips} rows, "
+           + ("all at near-ties (ok)" if par["greedy_ok"] else "not all at near-ties (must be)")),
     ]
     if report["failure"]:
         lines.append(f"  {report['failure']}")
     return "\n".join(lines)
 
 
+def _texts(tokenizer, generation: workload.Generation, eos_id) -> list[str]:
+    """Each row's generated text, up to its end-of-sequence token."""
+    stops = set(eos_id if isinstance(eos_id, list) else [eos_id])
+    texts = []
+    for row in generation.tokens.tolist():
+        end = next((i for i, token in enumerate(row) if token in stops), len(row))
+        texts.append(tokenizer.decode(row[:end], skip_special_tokens=True).strip())
+    return texts
+
+
 def run(config: VerifyConfig, device: torch.device) -> dict:
-    """Loads, runs, patches and compares; returns the report (the JSON document).
+    """Loads, checks, runs, patches and compares; returns the report (the JSON document).
 
     Raises:
         InputError: the model cannot be loaded or patched; the message says what to pass instead.
@@ -169,20 +192,27 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
 
     with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
         model, tokenizer = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
+    try:
+        planned = check_model(model)  # refuse an unpatchable model before any work
+    except UnsupportedModelError as exc:
+        raise InputError(f"{config.model}: {exc}") from exc
     new_tokens = config.max_new_tokens
     pad_id = workload.pad_token_id(model, tokenizer)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     parity_rows = max(2, config.batch_size)
-    prompts = workload.make_prompts(
-        tokenizer, vocab_size, parity_rows, config.prompt_len, pad_id, left_pad=True, device=device
-    )
+    if tokenizer is not None:
+        prompts, questions = workload.chat_prompts(tokenizer, parity_rows, pad_id, device)
+    else:
+        prompts, questions = workload.make_prompts(
+            tokenizer, vocab_size, parity_rows, config.prompt_len, pad_id, left_pad=True, device=device
+        ), None
     speed_prompts = workload.make_prompts(
         tokenizer, vocab_size, config.batch_size, config.prompt_len, pad_id, left_pad=False, device=device
     ) if on_gpu else None
 
-    def outputs(label: str):
-        with step(f"{label} model: logits and {new_tokens} greedy tokens"):
-            return workload.prompt_logits(model, prompts), workload.greedy_tokens(model, prompts, new_tokens, pad_id)
+    def generation(label: str) -> workload.Generation:
+        with step(f"{label}: up to {new_tokens} greedy tokens per row"):
+            return workload.greedy_tokens(model, prompts, new_tokens, pad_id)
 
     def timing(label: str):
         if not on_gpu:
@@ -191,36 +221,56 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
             return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id)
 
     # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
-    eager_logits, eager_tokens = outputs("unpatched")
+    with step("unpatched model: logits, recording every norm's input and output"):
+        with recorded_norm_calls(model, planned.norms) as norm_calls:
+            eager_logits = workload.prompt_logits(model, prompts)
+    eager_generation = generation("unpatched model")
     eager_speed = timing("unpatched")
     reference_dtype = parity.reference_dtype(dtype)
     with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
         with parity.upcast(model, reference_dtype):
             reference_logits = workload.prompt_logits(model, prompts)
     with step("patching"):
-        try:
-            patch = patch_model(model)
-        except UnsupportedModelError as exc:
-            raise InputError(str(exc)) from exc
-    patched_logits, patched_tokens = outputs("patched" if on_gpu else "patched (Triton interpreter)")
+        patch = patch_model(model)
+    kernels = "" if on_gpu else " (Triton interpreter)"
+    with step(f"patched model{kernels}: logits"):
+        patched_logits = workload.prompt_logits(model, prompts)
+    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
+        norm_agreement = compare_norm_outputs(model, norm_calls)
+    del norm_calls
+    patched_generation = generation(f"patched model{kernels}")
     patched_speed = timing("patched")
 
-    result = parity.compare(eager_logits, patched_logits, reference_logits, dtype, eager_tokens, patched_tokens)
+    result = parity.compare(
+        eager_logits, patched_logits, reference_logits, dtype, eager_generation, patched_generation
+    )
     # A patch that replaced nothing compares the model with itself: parity would pass and prove nothing.
     failure = None if patch.norms else "nothing was patched, so parity proves nothing"
     speed = None
     if on_gpu:
         speed = {"unpatched": eager_speed.to_dict(), "patched": patched_speed.to_dict(),
                  **speedups(eager_speed, patched_speed)}
+    generations = None
+    if tokenizer is not None:
+        eos_id = model.generation_config.eos_token_id
+        generations = [
+            {"prompt": question, "unpatched": eager_text, "patched": patched_text}
+            for question, eager_text, patched_text in zip(
+                questions, _texts(tokenizer, eager_generation, eos_id), _texts(tokenizer, patched_generation, eos_id)
+            )
+        ]
     return {
         "passed": result.passed and failure is None,
         "failure": failure,
         "model": config.model,
         "model_class": type(model).__name__,
+        "weights": weights_source(config.model, model, config.seed),
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": dtype_name,
         "settings": {
-            "batch_size": config.batch_size, "parity_batch_size": parity_rows, "prompt_len": config.prompt_len,
+            "batch_size": config.batch_size, "parity_batch_size": parity_rows,
+            "parity_prompts": "chat" if questions else "passage",
+            "parity_prompt_len": int(prompts.input_ids.shape[1]), "prompt_len": config.prompt_len,
             "max_new_tokens": new_tokens, "repeats": config.repeats if on_gpu else None, "seed": config.seed,
         },
         "environment": {
@@ -236,7 +286,9 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
             "skipped_modules": [list(item) for item in patch.skipped], "families": list(patch.families),
         },
         "parity": result.to_dict(),
-        "rule": parity.VERDICT_RULE,
+        "norm_outputs": norm_agreement.to_dict(),
+        "generations": generations,
+        "rule": VERDICT_RULE,
         "speed": speed,
     }
 
@@ -246,5 +298,7 @@ def verify(config: VerifyConfig, device: torch.device) -> dict:
     report = run(config, device)
     print(render(report))
     if config.json is not None:
-        config.json.expanduser().write_text(json.dumps(report, indent=2) + "\n")
+        path = config.json.expanduser().absolute()
+        path.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"Report written as JSON to {path}")
     return report

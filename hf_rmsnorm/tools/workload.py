@@ -1,7 +1,12 @@
-"""The workload of ``verify``: prompts from a fixed passage, logits at the prompt positions, greedy generation.
+"""The workload of ``verify``: prompts, logits at the prompt positions, greedy generation.
 
-Prompts are cut from one fixed English passage, so real tokenizers produce realistic, reproducible inputs;
-models saved without a tokenizer (the presets) get its UTF-8 bytes as token ids.
+Two kinds of prompts:
+
+* chat prompts (``chat_prompts``): a few everyday requests, formatted by the tokenizer's chat template when it
+  has one, so a real model sees what its users send and its answers can be read;
+* passage prompts (``make_prompts``): rows of a given length cut from one fixed English passage, for the
+  speed run (whose length must be controlled) and for models saved without a tokenizer (the random-weight
+  presets), which get the passage's UTF-8 bytes as token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +27,15 @@ _PROMPT_TEXT = (
 )
 
 
+# Everyday requests with short, checkable answers; rows beyond these reuse them.
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence why the sky is blue.",
+    "Name three primary colours.",
+)
+
+
 @dataclass
 class Prompts:
     """A batch of token ids with its attention mask (0 marks left padding)."""
@@ -36,7 +50,12 @@ class Prompts:
 
 
 def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> int:
-    """The id used for left padding: the tokenizer's or config's pad token, else eos, else 0."""
+    """The id used for left padding: the tokenizer's or config's pad token, else eos, else 0.
+
+    Ids outside the embedding table are passed over (a config may name a bos/eos the vocabulary lacks, as a
+    shrunk GPT-2 config does): padded positions are masked out, so any id in range pads correctly.
+    """
+    vocab_size = model.get_input_embeddings().weight.shape[0]
     for candidate in (
         getattr(tokenizer, "pad_token_id", None),
         model.config.pad_token_id,
@@ -45,7 +64,7 @@ def pad_token_id(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | No
     ):
         if isinstance(candidate, list):
             candidate = candidate[0] if candidate else None
-        if candidate is not None:
+        if candidate is not None and 0 <= candidate < vocab_size:
             return int(candidate)
     return 0
 
@@ -57,6 +76,17 @@ def _token_stream(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) ->
         # Byte-level fallback for models saved without a tokenizer (the presets reserve ids 0-255 for it).
         ids = list(_PROMPT_TEXT.encode())
     return [i % vocab_size for i in ids]
+
+
+def _left_padded(rows: list[list[int]], pad_id: int, device: torch.device | str) -> Prompts:
+    """Rows of token ids left-padded with ``pad_id`` to the longest, as batched generation pads them."""
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return Prompts(ids.to(device), mask.to(device))
 
 
 def make_prompts(
@@ -75,16 +105,34 @@ def make_prompts(
     left-padded with ``pad_id``, as batched generation does; otherwise every row is full.
     """
     stream = _token_stream(tokenizer, vocab_size)
-    ids = torch.full((batch_size, prompt_len), pad_id, dtype=torch.long)
-    mask = torch.zeros((batch_size, prompt_len), dtype=torch.long)
+    rows = []
     for row in range(batch_size):
         length = max(1, prompt_len - (row * prompt_len) // (2 * batch_size)) if left_pad else prompt_len
         # Repeat the passage as often as needed; offset rows so they differ.
         start = 7 * row
-        tokens = [stream[(start + k) % len(stream)] for k in range(length)]
-        ids[row, prompt_len - length:] = torch.tensor(tokens)
-        mask[row, prompt_len - length:] = 1
-    return Prompts(ids.to(device), mask.to(device))
+        rows.append([stream[(start + k) % len(stream)] for k in range(length)])
+    # Every row of an unpadded batch is prompt_len long, so padding to the longest pads nothing.
+    return _left_padded(rows, pad_id, device)
+
+
+def chat_prompts(
+    tokenizer: PreTrainedTokenizerBase, batch_size: int, pad_id: int, device: torch.device | str = "cpu"
+) -> tuple[Prompts, list[str]]:
+    """``batch_size`` rows asking ``QUESTIONS`` in turn, left-padded, and the questions asked.
+
+    Each question goes through the tokenizer's chat template (as a user turn, with the prompt for the
+    assistant's answer) when it has one, else it is tokenized as plain text.
+    """
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(batch_size)]
+    if getattr(tokenizer, "chat_template", None):
+        rows = [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"])
+            for q in questions
+        ]
+    else:
+        rows = [tokenizer(q)["input_ids"] for q in questions]
+    return _left_padded(rows, pad_id, device), questions
 
 
 @torch.no_grad()
@@ -100,19 +148,37 @@ def prompt_logits(model: PreTrainedModel, prompts: Prompts) -> Tensor:
     return logits[valid].to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def generation_config(new_tokens: int, pad_id: int) -> GenerationConfig:
-    """Greedy decoding of exactly ``new_tokens`` tokens, ignoring the checkpoint's sampling defaults."""
-    return GenerationConfig(
-        do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id
-    )
+def generation_config(new_tokens: int, pad_id: int, eos_id: int | list[int] | None = None) -> GenerationConfig:
+    """Greedy decoding, ignoring the checkpoint's sampling defaults: exactly ``new_tokens`` tokens per row, or,
+    given ``eos_id``, at most that many (a row ends at its end-of-sequence token, as a chat answer does)."""
+    if eos_id is None:
+        return GenerationConfig(
+            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id
+        )
+    return GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
+
+
+@dataclass
+class Generation:
+    """What greedy ``generate()`` appended to each row: ``tokens`` ``[batch, steps]`` and the raw
+    ``logits`` ``[steps, batch, vocab]`` each token was chosen from (on the CPU, in the model's dtype)."""
+
+    tokens: Tensor
+    logits: Tensor
 
 
 @torch.no_grad()
-def greedy_tokens(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> Tensor:
-    """The ``[batch, new_tokens]`` tokens greedy ``generate()`` appends to the prompts."""
+def greedy_tokens(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> Generation:
+    """Greedy ``generate()`` of up to ``new_tokens`` tokens per row, ending rows at the model's end-of-sequence
+    token, with the logits behind every choice (``output_logits``: before any logits processor)."""
     out = model.generate(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
-        generation_config=generation_config(new_tokens, pad_id),
+        generation_config=generation_config(new_tokens, pad_id, model.generation_config.eos_token_id),
+        output_logits=True,
+        return_dict_in_generate=True,
     )
-    return out[:, prompts.input_ids.shape[1]:].cpu()
+    return Generation(
+        tokens=out.sequences[:, prompts.input_ids.shape[1]:].cpu(),
+        logits=torch.stack([step.cpu() for step in out.logits]),
+    )
