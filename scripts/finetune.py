@@ -2,18 +2,27 @@
 
 usage:
   accelerate launch [accelerate options] scripts/finetune.py [--model NAME_OR_PATH] [--data PATH] \\
-      --output-dir DIR [--max-steps N] [--batch-size B] [--seq-len L] [--lr LR] [--seed S] [--no-patch] \\
-      [--lora] [--gradient-checkpointing] [--metrics-json PATH]
+      --output-dir DIR [--overwrite] [--max-steps N] [--batch-size B] [--seq-len L] [--lr LR] [--seed S] \\
+      [--no-patch] [--lora] [--gradient-checkpointing] [--metrics-json PATH]
   (plain `python scripts/finetune.py ...` runs one process)
 
 The model (a preset, a save_pretrained directory or a Hub id) is trained on a plain-text file or a directory
 of .txt files, or, without --data, on the project's own README, docs and sources. Checkpoints without a
 tokenizer (the presets) are trained on byte-level tokens. patch_model is applied after loading and before
 accelerator.prepare; --no-patch trains Hugging Face's own norms, for comparison. The result is saved with
-save_pretrained (only the adapter with --lora) and loads with plain transformers.
+save_pretrained into --output-dir (required, no default; a directory an earlier run wrote to is refused
+unless --overwrite) and loads with plain transformers. With --lora only the adapter is saved, and its
+adapter_config.json names the base model: the --model directory (as an absolute path) or Hub id, or, for a
+preset, a copy saved to OUTPUT_DIR/base_model; so peft.AutoPeftModelForCausalLM.from_pretrained(OUTPUT_DIR)
+loads it on its own.
 
-Without a GPU the Triton kernels run in Triton's CPU interpreter: exact but slow, so keep CPU runs tiny.
-The work is done by hf_rmsnorm.tools.finetune; this file only reads the command line.
+Without a GPU the Triton kernels run in Triton's CPU interpreter: exact but slow (about a second per step on a
+tiny preset), so --max-steps, --batch-size and --seq-len default to a small demo on CPU and to a real run on a
+GPU. The first line printed says what will run: steps x batch x sequence length x processes, on which device.
+
+Exit status: 0 trained and saved, 2 bad input (one line on stderr, nothing written), 3 internal error (one
+line; --traceback shows the traceback). The work is done by hf_rmsnorm.tools.finetune; this file only reads the
+command line.
 
 What has been tested (CPU only so far):
   one process:  python scripts/finetune.py ... (with --lora and --gradient-checkpointing too)
@@ -32,14 +41,15 @@ from pathlib import Path
 # Lets the script run from a checkout that was not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_rmsnorm.tools import cli  # noqa: E402  (defines no kernel)
+from hf_rmsnorm.tools import cli  # noqa: E402  (imports no torch: --help answers at once)
 
 
 def parse_args(argv: list[str]):
     """The command line as a ``FinetuneConfig``."""
-    from hf_rmsnorm.tools.finetune import FULL_FINETUNE_LR, LORA_LR, FinetuneConfig
+    from hf_rmsnorm.tools.finetune_settings import DEFAULTS, FULL_FINETUNE_LR, LORA_LR, FinetuneConfig
     from hf_rmsnorm.tools.presets import DEFAULT_PRESET
 
+    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
     parser = cli.ArgumentParser(
         prog="finetune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -49,12 +59,28 @@ def parse_args(argv: list[str]):
     parser.add_argument(
         "--data", type=Path, help="text file or directory of .txt files (default: this project's docs and sources)"
     )
-    parser.add_argument("--output-dir", type=Path, required=True, help="where save_pretrained writes the result")
-    parser.add_argument("--max-steps", type=cli.at_least(1), default=100, help="optimizer steps (default 100)")
     parser.add_argument(
-        "--batch-size", type=cli.at_least(1), default=4, help="sequences per process and step (default 4)"
+        "--output-dir", type=Path, required=True,
+        help="where save_pretrained writes the result (required: give each run its own directory)",
     )
-    parser.add_argument("--seq-len", type=cli.at_least(1), default=512, help="tokens per sequence (default 512)")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="write into a non-empty --output-dir (same-named files are replaced, others kept) and replace "
+        "--metrics-json",
+    )
+    # None: the default of the device the run ends up on, filled in by hf_rmsnorm.tools.finetune.
+    parser.add_argument(
+        "--max-steps", type=cli.at_least(1), default=None,
+        help=f"optimizer steps (default {gpu['max_steps']} on GPU, {cpu['max_steps']} on CPU)",
+    )
+    parser.add_argument(
+        "--batch-size", type=cli.at_least(1), default=None,
+        help=f"sequences per process and step (default {gpu['batch_size']} on GPU, {cpu['batch_size']} on CPU)",
+    )
+    parser.add_argument(
+        "--seq-len", type=cli.at_least(1), default=None,
+        help=f"tokens per sequence (default {gpu['seq_len']} on GPU, {cpu['seq_len']} on CPU)",
+    )
     parser.add_argument(
         "--lr", type=cli.positive_float, help=f"AdamW learning rate (default {FULL_FINETUNE_LR}, {LORA_LR} with --lora)"
     )
@@ -65,13 +91,14 @@ def parse_args(argv: list[str]):
     parser.add_argument(
         "--metrics-json", type=Path, help="write losses, tokens/s, peak GPU memory and patch counts here"
     )
+    # --traceback (added by cli.ArgumentParser) is read by cli.run, not by the fine-tune.
     return FinetuneConfig(**vars(parser.parse_args(argv)))
 
 
 def _main(argv: list[str]) -> int:
+    config = parse_args(argv)  # first: --help and usage errors answer before torch is imported
     # The GPU when there is one (accelerate picks it too), else the kernels in Triton's interpreter.
     cli.select_device("auto")
-    config = parse_args(argv)
     from hf_rmsnorm.tools.finetune import finetune
 
     finetune(config)

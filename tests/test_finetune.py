@@ -2,7 +2,7 @@
 
 The training runs are real launches (``accelerate launch`` for DDP over gloo, ``python`` for one process) with
 the kernels in Triton's interpreter; each pair differs only in ``--no-patch`` and must give the same per-step
-losses and final parameters.
+losses and final parameters. The LoRA save tests train for two steps in this process.
 """
 
 from __future__ import annotations
@@ -19,12 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState
-from peft import get_peft_model_state_dict
+from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import BertConfig, BertLMHeadModel
+from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel, PreTrainedModel
 
 from hf_rmsnorm import patch_model
-from hf_rmsnorm.tools.finetune import add_lora, enable_gradient_checkpointing
+from hf_rmsnorm.tools.finetune import (
+    BASE_MODEL_DIR,
+    add_lora,
+    base_model_reference,
+    check_output_paths,
+    enable_gradient_checkpointing,
+)
+from hf_rmsnorm.tools.finetune_settings import DEFAULTS, with_device_defaults
 from hf_rmsnorm.tools.finetune_data import (
     ByteTokenizer,
     FinetuneInputError,
@@ -40,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "finetune.py"
 # Tiny runs: 2 sequences of 32 tokens per process and step, a learning rate large enough to move every weight.
 RUN_ARGS = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--lr", "1e-3", "--seed", "3"]
+# Two LoRA steps with a learning rate large enough that the adapter visibly changes the logits.
+LORA_ARGS = ["--lora", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2", "--lr", "1e-2", "--seed", "3"]
 FP32_LOSS_RTOL = 1e-4
 BF16_LOSS_RTOL = 2.0**-8  # half a bf16 ulp
 UPDATE_RTOL = 1e-3  # of the norm of a tensor's change during training
@@ -147,6 +156,44 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+def test_sizes_default_per_device_and_help_says_so(capsys):
+    script = _load_script()
+    config = script.parse_args(["--output-dir", "out", "--seq-len", "32"])
+    assert (config.max_steps, config.batch_size, config.seq_len) == (None, None, 32)  # left to the device
+    for device_type, defaults in [("cpu", DEFAULTS["cpu"]), ("cuda", DEFAULTS["cuda"]), ("mps", DEFAULTS["cuda"])]:
+        resolved = with_device_defaults(config, device_type)
+        assert (resolved.max_steps, resolved.batch_size, resolved.seq_len) == (
+            defaults["max_steps"], defaults["batch_size"], 32
+        ), device_type
+    # The CPU runs the kernels in Triton's interpreter (~1 s per step of 256 tokens): its default is a demo.
+    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
+    assert cpu["max_steps"] * cpu["batch_size"] * cpu["seq_len"] < gpu["max_steps"] * gpu["batch_size"] * gpu["seq_len"]
+    with pytest.raises(SystemExit):
+        script.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for key, flag in [("max_steps", "--max-steps"), ("batch_size", "--batch-size"), ("seq_len", "--seq-len")]:
+        assert f"(default {gpu[key]} on GPU, {cpu[key]} on CPU)" in help_text, flag
+
+
+def test_overwrite_lets_a_run_reuse_an_earlier_runs_paths(tmp_path):
+    (tmp_path / "out").mkdir()
+    _write(tmp_path / "out" / "config.json", "{}")
+    metrics = _write(tmp_path / "metrics.json", "{}")
+    with pytest.raises(FinetuneInputError, match="is not empty"):
+        check_output_paths(tmp_path / "out", None)
+    check_output_paths(tmp_path / "out", metrics, overwrite=True)
+    check_output_paths(tmp_path / "empty", None)  # a directory that does not exist yet is fine
+
+
+def test_base_model_reference_follows_how_the_model_was_loaded(tmp_path, monkeypatch):
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert base_model_reference("tiny-qwen3") is None  # random weights: saved beside the adapter
+    assert base_model_reference("smollm2-135m") is None  # real weights, but maybe dequantized from a GGUF copy
+    assert base_model_reference("ckpt") == base_model_reference("./ckpt") == str(tmp_path.resolve() / "ckpt")
+    assert base_model_reference("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
 def _unsupported_checkpoint(directory: Path) -> Path:
     """A BERT decoder: its LayerNorms are in no decoder family hf_rmsnorm knows, so patching it is refused."""
     config = BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -172,9 +219,17 @@ BAD_INPUTS = {
         lambda d, corpus: ["--data", str(corpus), "--output-dir", str(_write(d / "f", "x"))],
         "is a file",
     ),
+    "output dir of an earlier run": (
+        lambda d, corpus: ["--data", str(corpus), "--output-dir", str(_write(d / "config.json", "{}").parent)],
+        "is not empty",
+    ),
+    "metrics file of an earlier run": (
+        lambda d, corpus: ["--data", str(corpus), "--metrics-json", str(_write(d / "old.json", "{}"))],
+        "already exists",
+    ),
     "unsupported model": (
         lambda d, corpus: ["--data", str(corpus), "--model", str(_unsupported_checkpoint(d / "bert"))],
-        "has no norm of a supported family",
+        "has no norm hf_rmsnorm can patch",
     ),
     "model that does not exist": (
         lambda d, corpus: ["--data", str(corpus), "--model", str(d / "nomodel")],
@@ -285,8 +340,11 @@ def test_ddp_patched_run_matches_unpatched(ddp_runs):
         assert metrics["tokens_per_s"] > 0 and metrics["peak_memory_bytes"] is None
     assert patched["patched"] and patched["patch"]["norms"] > 0 and patched["patch"]["fused_adds"] > 0
     assert unpatched["patch"] is None
-    # The report and the notes come from the main process only.
+    # The report and the notes come from the main process only; the first line says what the run costs.
     assert stdout.count("byte-level tokens") == 1
+    assert stdout.splitlines()[0].startswith(
+        "fine-tuning tiny-llama: 4 steps x 2 sequences x 32 tokens x 2 processes = 512 tokens on cpu; norms: "
+    ), stdout
     _assert_same_losses(patched, unpatched)
     initial = build_preset("tiny-llama", seed=3).state_dict()
     final = _assert_same_training(out / "patched", out / "unpatched", "model.safetensors", initial)
@@ -359,3 +417,55 @@ def test_norm_weight_gradients_match_unpatched(gradient_checkpointing):
     for name, grad in unpatched.items():
         assert grad is not None and grad.abs().sum() > 0
         torch.testing.assert_close(patched[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# --- LoRA adapters load on their own ------------------------------------------------------------------------
+
+
+def _with_trained_adapter(base: PreTrainedModel, output_dir: Path) -> torch.nn.Module:
+    """``base`` with the adapter the run saved: the fine-tuned model, rebuilt without the run's base copy."""
+    model = add_lora(base, seed=0)  # the initialisation is overwritten by the trained weights
+    set_peft_model_state_dict(model, load_file(output_dir / "adapter_model.safetensors"))
+    return model.eval()
+
+
+def _assert_adapter_loads_alone(output_dir: Path, base: PreTrainedModel) -> None:
+    """``AutoPeftModelForCausalLM.from_pretrained(output_dir)`` gives the fine-tuned model's logits, which the
+    trained adapter moved away from ``base``'s."""
+    tokens = torch.arange(3, 35)[None]
+    with torch.no_grad():
+        base_logits = base.eval()(tokens).logits
+        expected = _with_trained_adapter(base, output_dir)(tokens).logits
+        loaded = AutoPeftModelForCausalLM.from_pretrained(output_dir).eval()(tokens).logits
+    torch.testing.assert_close(loaded, expected)
+    assert (expected - base_logits).abs().max() > 0.1  # the adapter was trained and is applied
+
+
+@pytest.mark.slow
+def test_lora_adapter_of_a_preset_loads_with_its_saved_base(tmp_path, corpus, monkeypatch, fresh_accelerate_state):
+    monkeypatch.chdir(tmp_path)  # a relative --output-dir: the adapter must still record an absolute path
+    argv = ["--model", "tiny-qwen3", "--data", str(corpus), "--output-dir", "out", *LORA_ARGS]
+    assert _load_script().main(argv) == 0
+    out = tmp_path / "out"
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((out / BASE_MODEL_DIR).resolve())
+    # The saved base is the preset itself, tied embeddings included.
+    preset = build_preset("tiny-qwen3", seed=3)
+    saved = AutoModelForCausalLM.from_pretrained(out / BASE_MODEL_DIR).state_dict()
+    assert saved.keys() == preset.state_dict().keys()
+    assert all(torch.equal(saved[name], tensor) for name, tensor in preset.state_dict().items())
+    monkeypatch.chdir(corpus.parent)  # loads from anywhere
+    _assert_adapter_loads_alone(out, preset)
+
+
+@pytest.mark.slow
+def test_lora_adapter_of_a_saved_model_names_its_directory(tmp_path, corpus, monkeypatch, fresh_accelerate_state):
+    build_preset("tiny-llama", seed=5).save_pretrained(tmp_path / "ckpt")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", "ckpt", "--data", str(corpus), "--output-dir", str(tmp_path / "out"), *LORA_ARGS]
+    assert _load_script().main(argv) == 0
+    adapter_config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((tmp_path / "ckpt").resolve())
+    assert not (tmp_path / "out" / BASE_MODEL_DIR).exists()  # the directory itself is the base
+    monkeypatch.chdir(corpus.parent)
+    _assert_adapter_loads_alone(tmp_path / "out", build_preset("tiny-llama", seed=5))

@@ -7,6 +7,10 @@ nothing is written until training has finished. ``patch_model`` is applied after
 
 Patched and unpatched runs with the same seed see the same model, the same LoRA initialisation and the same
 batches in the same order, so their per-step losses and final parameters can be compared directly.
+
+The sizes of a run (steps, batch, sequence length) default per device (``finetune_settings.DEFAULTS``): on the
+CPU the kernels run in Triton's interpreter, so a CPU run defaults to a demo that finishes in seconds. A LoRA run saves only the
+adapter, and its ``adapter_config.json`` names a base model that loads on its own (``base_model_reference``).
 """
 
 from __future__ import annotations
@@ -27,38 +31,14 @@ from tqdm.auto import tqdm
 
 from ..ops import backend
 from ..patch import PatchReport, UnsupportedModelError, patch_model
+from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
-from .loading import load_model
+from .loading import load_model, looks_like_path
+from .presets import preset_names
 
-# Learning rates when --lr is not given: common choices for full fine-tuning and for LoRA adapters.
-FULL_FINETUNE_LR = 2e-5
-LORA_LR = 2e-4
-LORA_RANK = 8
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """The command line of ``scripts/finetune.py``; see its ``--help`` for each field."""
-
-    model: str
-    output_dir: Path
-    data: Path | None = None
-    max_steps: int = 100
-    batch_size: int = 4
-    seq_len: int = 512
-    lr: float | None = None
-    seed: int = 0
-    patch: bool = True
-    lora: bool = False
-    gradient_checkpointing: bool = False
-    metrics_json: Path | None = None
-
-    @property
-    def learning_rate(self) -> float:
-        """``lr``, or the default for a full fine-tune or a LoRA adapter."""
-        if self.lr is not None:
-            return self.lr
-        return LORA_LR if self.lora else FULL_FINETUNE_LR
+# Where a LoRA run from a preset saves the base model, inside --output-dir: a preset's weights cannot be loaded
+# by name, so the adapter needs a copy to point at.
+BASE_MODEL_DIR = "base_model"
 
 
 @dataclass
@@ -77,12 +57,27 @@ class TrainResult:
         return self.tokens_per_step * len(times) / sum(times)
 
 
+def describe_run(config: FinetuneConfig, accelerator: Accelerator) -> str:
+    """The line printed first: how much work the run is and what runs the norms, so its cost is plain."""
+    n = accelerator.num_processes
+    tokens = config.max_steps * config.batch_size * n * config.seq_len
+    processes = f"{n} process{'es' if n > 1 else ''}"
+    precision = "" if accelerator.mixed_precision == "no" else f", {accelerator.mixed_precision} mixed precision"
+    norms = backend.describe(accelerator.device) if config.patch else "Hugging Face's own (--no-patch)"
+    return (
+        f"fine-tuning {config.model}{' with LoRA' if config.lora else ''}: {config.max_steps} steps x "
+        f"{config.batch_size} sequences x {config.seq_len} tokens x {processes} = {tokens} tokens "
+        f"on {accelerator.device.type}{precision}; norms: {norms}"
+    )
+
+
 def finetune(config: FinetuneConfig) -> dict:
     """Runs one fine-tuning job on every process of the current launch; returns the metrics."""
-    check_output_paths(config.output_dir, config.metrics_json)
+    check_output_paths(config.output_dir, config.metrics_json, config.overwrite)
     documents = read_documents(corpus_files(config.data))
     accelerator = make_accelerator()
-    accelerator.print(f"hf_rmsnorm: {backend.describe(accelerator.device)}")
+    config = with_device_defaults(config, accelerator.device.type)
+    accelerator.print(describe_run(config, accelerator))
     set_seed(config.seed)
 
     # FSDP shards from CPU; everything else is loaded straight onto its device.
@@ -114,7 +109,7 @@ def finetune(config: FinetuneConfig) -> dict:
     tokens_per_step = config.batch_size * accelerator.num_processes * config.seq_len
     result = train(accelerator, model, optimizer, dataloader, config.max_steps, tokens_per_step)
 
-    save(accelerator, model, tokenizer, config.output_dir)
+    base_model = save(accelerator, model, tokenizer, config)
     metrics = {
         "model": config.model,
         "patched": report is not None,
@@ -124,6 +119,7 @@ def finetune(config: FinetuneConfig) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": accelerator.distributed_type.value,
         "num_processes": accelerator.num_processes,
+        "max_steps": config.max_steps,
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "tokenizer": "byte-level" if tokenizer is None else type(tokenizer).__name__,
@@ -134,7 +130,8 @@ def finetune(config: FinetuneConfig) -> dict:
     }
     if config.metrics_json is not None and accelerator.is_main_process:
         write_metrics(config.metrics_json, metrics)
-    accelerator.print(f"saved to {config.output_dir}; {result.tokens_per_s:.0f} tokens/s")
+    adapter = "" if base_model is None else f" (LoRA adapter on base model {base_model})"
+    accelerator.print(f"saved to {config.output_dir}{adapter}; {result.tokens_per_s:.0f} tokens/s")
     accelerator.end_training()
     return metrics
 
@@ -159,12 +156,25 @@ def make_accelerator() -> Accelerator:
     return accelerator
 
 
-def check_output_paths(output_dir: Path, metrics_json: Path | None) -> None:
-    """Rejects output paths that cannot be written as the kind of thing they must be."""
+def check_output_paths(output_dir: Path, metrics_json: Path | None, overwrite: bool = False) -> None:
+    """Rejects output paths that cannot be written as the kind of thing they must be, and, unless
+    ``overwrite``, output an earlier run left: a second run into the same folder would silently replace the
+    first one's result, or mix its files with them (a full model beside an adapter)."""
     if output_dir.exists() and not output_dir.is_dir():
         raise FinetuneInputError(f"--output-dir {output_dir} is a file, not a directory")
     if metrics_json is not None and metrics_json.is_dir():
         raise FinetuneInputError(f"--metrics-json {metrics_json} is a directory, not a file")
+    if overwrite:
+        return
+    if output_dir.is_dir() and any(output_dir.iterdir()):
+        raise FinetuneInputError(
+            f"--output-dir {output_dir} is not empty (an earlier run?): give each run its own directory, or pass "
+            "--overwrite to write into it"
+        )
+    if metrics_json is not None and metrics_json.exists():
+        raise FinetuneInputError(
+            f"--metrics-json {metrics_json} already exists: give each run its own file, or pass --overwrite"
+        )
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
@@ -238,21 +248,68 @@ def _cycle(dataloader: DataLoader) -> Iterator[torch.Tensor]:
     return itertools.chain.from_iterable(itertools.repeat(dataloader))
 
 
-def save(accelerator: Accelerator, model: torch.nn.Module, tokenizer, output_dir: Path) -> None:
-    """``save_pretrained`` of the model (the adapter alone under LoRA) and of the tokenizer, if any.
+def save(accelerator: Accelerator, model: torch.nn.Module, tokenizer, config: FinetuneConfig) -> str | None:
+    """``save_pretrained`` of the model (the adapter alone under LoRA) and of the tokenizer, if any, into
+    ``config.output_dir``, by the main process; returns the LoRA adapter's base model (None without LoRA).
 
     The saved files hold only the config and the state dict, which patching does not change, so plain
-    transformers loads them without hf_rmsnorm.
+    transformers loads them without hf_rmsnorm. Under LoRA, ``adapter_config.json`` names the base model so that
+    ``peft.AutoPeftModelForCausalLM.from_pretrained(output_dir)`` works on its own: see ``base_model_reference``;
+    a base model with no such name (a preset) is saved, with the tokenizer, to ``output_dir/base_model``.
     """
     accelerator.wait_for_everyone()
-    # A collective under FSDP (it gathers the shards): every process must call it.
+    # A collective under FSDP (it gathers the shards onto the main process): every process must call it.
     state_dict = accelerator.get_state_dict(model)
-    accelerator.unwrap_model(model).save_pretrained(
-        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-    )
-    if tokenizer is not None and accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+    unwrapped = accelerator.unwrap_model(model)
+    # (model, directory, state dict) for each save_pretrained, the base model first: PEFT reads its config
+    # when it saves the adapter.
+    saves = []
+    base_model = None
+    if config.lora:
+        base_model = base_model_reference(config.model)
+        if base_model is None:
+            base_dir = config.output_dir / BASE_MODEL_DIR
+            saves.append((unwrapped.get_base_model(), base_dir, base_model_state_dict(state_dict)))
+            base_model = str(base_dir.resolve())
+        unwrapped.peft_config[unwrapped.active_adapter].base_model_name_or_path = base_model
+    saves.append((unwrapped, config.output_dir, state_dict))
+    if accelerator.is_main_process:
+        for saved_model, directory, weights in saves:
+            saved_model.save_pretrained(directory, state_dict=weights)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
     accelerator.wait_for_everyone()
+    return base_model
+
+
+def base_model_reference(name_or_path: str) -> str | None:
+    """What a LoRA adapter's ``base_model_name_or_path`` says for the ``--model`` it was trained on.
+
+    Follows ``load_model``'s reading of the name: a preset gives None, and ``save`` stores a copy of the base
+    model (a random preset's weights are built, not loaded, and a real-weights preset may come from a
+    dequantized GGUF file rather than its Hub id: no name loads exactly the weights trained on); a directory
+    gives its absolute path (the adapter then loads from any working directory); anything else is a Hub id,
+    recorded as given (transformers finds it in the cache or downloads it).
+    """
+    if name_or_path in preset_names():
+        return None
+    if looks_like_path(name_or_path):
+        return str(Path(name_or_path).expanduser().resolve())
+    return name_or_path
+
+
+def base_model_state_dict(peft_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The base model's weights out of a PEFT LoRA model's full state dict, under the base model's own names.
+
+    PEFT holds the base model under ``base_model.model.`` and moves each layer it wraps to
+    ``<layer>.base_layer``, beside the adapter's ``<layer>.lora_A``/``lora_B``; undoing both gives the state
+    dict the model had before ``get_peft_model``. LoRA freezes the base weights, so these are the loaded ones.
+    """
+    return {
+        key.removeprefix("base_model.model.").replace(".base_layer.", "."): tensor
+        for key, tensor in peft_state_dict.items()
+        if ".lora_" not in key
+    }
 
 
 def patch_counts(report: PatchReport) -> dict[str, int]:
