@@ -80,14 +80,13 @@ def with_defaults(args: argparse.Namespace, device_type: str) -> VerifyConfig:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    # The device before anything defines a kernel: on CPU the kernels must be defined for Triton's interpreter.
-    device = cli.select_device(args.device)
-    # Quiet transformers' own progress bars and advice: verify's step lines are the progress indication.
+    # Quiet transformers' own progress bars and advice: verify's step lines are the progress indication. Set
+    # before torch is imported: tqdm reads TQDM_DISABLE (the GGUF loader's bar) when it is imported.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # the GGUF loader's dequantization bar
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    # The device before anything defines a kernel: on CPU the kernels must be defined for Triton's interpreter.
+    device = cli.select_device(args.device)
     from hf_rmsnorm.tools.verify import verify
 
     return cli.EXIT_OK if verify(with_defaults(args, device.type), device)["passed"] else cli.EXIT_FAILED
