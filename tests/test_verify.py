@@ -143,8 +143,8 @@ def test_cli_cuda_without_gpu():
 @pytest.mark.gpu
 def test_cli_measures_speed_on_gpu(tmp_path):
     report_path = tmp_path / "report.json"
-    result = run_verify("--device", "cuda", "--prompt-len", "32", "--max-new-tokens", "8", "--repeats", "2",
-                        "--json", str(report_path))
+    result = run_verify("--model", "tiny-llama", "--device", "cuda", "--prompt-len", "32", "--max-new-tokens", "8",
+                        "--repeats", "2", "--json", str(report_path))
     assert result.returncode == 0, result.stdout + result.stderr
     speed = json.loads(report_path.read_text())["speed"]
     for model in ("unpatched", "patched"):
