@@ -354,3 +354,24 @@ def test_copying_one_layer_copies_that_layer_only():
     cos_sin = model.model.rotary_emb(hidden, position_ids)
     with torch.inference_mode():
         assert torch.equal(copied(hidden, position_embeddings=cos_sin), layer(hidden, position_embeddings=cos_sin))
+
+
+def test_a_positional_cache_reaches_the_attention_under_the_installed_name(monkeypatch):
+    # The cache argument is `cache` from transformers 5.24 and `past_key_values` before: a positional cache
+    # must reach the attention under the installed layer's own name, or it would be dropped silently.
+    from transformers import DynamicCache
+
+    model = tiny_model("llama", torch.bfloat16)
+    ids = input_ids()
+    hidden = model.model.embed_tokens(ids)
+    position_ids = torch.arange(ids.shape[1])[None]
+    cos_sin = model.model.rotary_emb(hidden, position_ids)
+
+    def run(layer):
+        cache = DynamicCache(config=model.config)
+        return layer(hidden, None, position_ids, cache, True, cos_sin), cache.layers[0].keys
+
+    expected, expected_keys = run(_norms_only(model, monkeypatch).model.layers[0])
+    output, keys = run(_patched(model).model.layers[0])
+    assert expected_keys is not None and expected_keys.shape[-2] == ids.shape[1]
+    assert torch.equal(output, expected) and torch.equal(keys, expected_keys)

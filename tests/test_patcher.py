@@ -12,7 +12,7 @@ from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_
 
 from hf_rmsnorm import UnsupportedModelError, check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import patcher
-from hf_rmsnorm.patch.families import Registry, registry
+from hf_rmsnorm.patch.families import LayerKind, Registry, registry
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Largest difference from the eager model, relative to the largest |value|: two ulps of the dtype, a bit more
@@ -381,3 +381,12 @@ def test_the_report_says_what_runs_the_norms():
     # conftest set this process up for Triton's interpreter on CPU.
     assert report.backend.startswith("Triton kernels in Triton's CPU interpreter")
     assert f"runs on: {report.backend}" in str(report).splitlines()[1]
+
+
+def test_layer_kinds_accept_the_cache_argument_under_either_name():
+    kind = LayerKind("m.Layer")
+    params = ("hidden_states", "attention_mask", "position_ids", "{}", "use_cache", "position_embeddings")
+    assert kind.matches(tuple(p.format("cache") for p in params))  # transformers >= 5.24
+    assert kind.matches(tuple(p.format("past_key_values") for p in params))  # earlier releases
+    assert not kind.matches(tuple(p.format("layer_past") for p in params))
+    assert not kind.matches(tuple(p.format("cache") for p in params) + ("output_attentions",))

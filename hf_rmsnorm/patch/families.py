@@ -38,6 +38,13 @@ LAYERNORM = NormKind("torch.nn.modules.normalization.LayerNorm", eps_attr="eps",
 LAYERNORM_AS_RMSNORM = dataclasses.replace(LAYERNORM, mode="layernorm_as_rmsnorm")
 
 
+# The decoder layers' cache argument is ``cache`` since transformers 5.24 and ``past_key_values`` before. Either
+# way the layer hands it to its attention under the same name, which is all the fused bodies rely on: they pass
+# every argument on by the installed class's own names (``fused.py``).
+CACHE_PARAM = "cache"
+CACHE_PARAM_SPELLINGS = (CACHE_PARAM, "past_key_values")
+
+
 @dataclass(frozen=True)
 class LayerKind:
     """A pre-norm decoder layer whose forward is, with the attribute names below (an attribute set to None is
@@ -58,8 +65,10 @@ class LayerKind:
     (the dropouts are called as the original does, also when inactive; ``residual_scale`` is sequential only).
     ``attention_input`` is the keyword the normed states go to the attention by, None for positionally.
 
-    ``forward_params`` is the original forward's parameter list; the patcher checks it at patch time, so a
-    transformers release that changes the layer turns fusion off for it instead of running a stale body.
+    ``forward_params`` is the original forward's parameter list, spelt as in transformers 5.24 (see
+    ``CACHE_PARAM_SPELLINGS`` for the one name earlier releases spell differently); the patcher checks it at
+    patch time (``matches``), so a transformers release that changes the layer turns fusion off for it instead
+    of running a stale body.
     ``unsupported_if`` names instance attributes that, when present and truthy, mean the layer does more than
     this body (GPT-2's cross-attention, GPT-NeoX's parallel residual): such a layer keeps its own forward.
     ``requires`` names instance attributes that must be present and truthy (GPT-NeoX's parallel kind requires
@@ -81,6 +90,11 @@ class LayerKind:
     requires: tuple[str, ...] = ()
     parallel: bool = False
     attention_input: str | None = "hidden_states"
+
+    def matches(self, params: tuple[str, ...]) -> bool:
+        """Whether an installed forward's parameter names (after ``self``) are ``forward_params``, the cache
+        argument spelt either way."""
+        return tuple(CACHE_PARAM if name in CACHE_PARAM_SPELLINGS else name for name in params) == self.forward_params
 
     def __post_init__(self) -> None:
         if self.parallel and self.residual_scale is not None:

@@ -11,6 +11,8 @@ each layer to the next norm live on the stack that owns both.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import Tensor, nn
 
 from ..ops import fused_add_rms_norm, rms_norm
@@ -41,8 +43,17 @@ def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
             namespace.update(forward=_stack_forward, _hf_rmsnorm_checked_forward=staticmethod(base.forward))
         else:
             namespace["forward"] = _parallel_layer_forward if kind.parallel else _layer_forward
+            # The original's own argument names (the cache one changed across transformers releases): positional
+            # arguments go on to the attention under these, as the original passes them.
+            namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
     return cls
+
+
+def layer_arg_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional-or-keyword parameters after ``self``."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def original_class(module: nn.Module) -> type | None:
@@ -130,7 +141,7 @@ def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwar
     """The attention branch: every layer argument but the hidden states goes to the attention by name, as the
     original forward passes it; the normed states by ``kind.attention_input`` (or positionally)."""
     if args:
-        names = kind.forward_params[1:]
+        names = type(layer)._hf_rmsnorm_arg_names
         if len(args) > len(names):
             raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
         kwargs.update(zip(names, args))

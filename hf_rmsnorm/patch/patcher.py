@@ -390,8 +390,8 @@ def _instance_problem(module: nn.Module) -> str | None:
 def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str]) -> str | None:
     """Why ``layer`` does not have the structure ``kind`` describes, if it does not."""
     params = list(inspect.signature(type(layer).forward).parameters.values())[1:]
-    names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if names != kind.forward_params or params[-1].kind is not inspect.Parameter.VAR_KEYWORD or len(params) != len(
+    names = fused.layer_arg_names(type(layer))
+    if not kind.matches(names) or params[-1].kind is not inspect.Parameter.VAR_KEYWORD or len(params) != len(
         names
     ) + 1:
         return f"forward({', '.join(str(p) for p in params)}) is not the signature this transformers family had"
