@@ -107,12 +107,16 @@ def test_hooks_that_change_a_layer_output_are_respected(hook, grad_mode, monkeyp
     torch.testing.assert_close(patched, eager, rtol=0, atol=2 ** -6 * eager.abs().max().item())
 
 
+def _first_layer_inputs(model):
+    """The hidden states, position ids and rotary (cos, sin) the first decoder layer gets for ``input_ids()``."""
+    hidden = model.model.embed_tokens(input_ids())
+    position_ids = torch.arange(hidden.shape[1])[None]
+    return hidden, position_ids, model.model.rotary_emb(hidden, position_ids)
+
+
 def test_a_layer_called_directly_with_positional_arguments(monkeypatch):
     model = tiny_model("llama", torch.bfloat16)
-    ids = input_ids()
-    hidden = model.model.embed_tokens(ids)
-    position_ids = torch.arange(ids.shape[1])[None]
-    cos_sin = model.model.rotary_emb(hidden, position_ids)
+    hidden, position_ids, cos_sin = _first_layer_inputs(model)
     args = (hidden, None, position_ids, None, False, cos_sin)
     expected = _norms_only(model, monkeypatch).model.layers[0](*args)
     patched = _patched(model)
@@ -362,10 +366,7 @@ def test_a_positional_cache_reaches_the_attention_under_the_installed_name(monke
     from transformers import DynamicCache
 
     model = tiny_model("llama", torch.bfloat16)
-    ids = input_ids()
-    hidden = model.model.embed_tokens(ids)
-    position_ids = torch.arange(ids.shape[1])[None]
-    cos_sin = model.model.rotary_emb(hidden, position_ids)
+    hidden, position_ids, cos_sin = _first_layer_inputs(model)
 
     def run(layer):
         cache = DynamicCache(config=model.config)
@@ -373,5 +374,5 @@ def test_a_positional_cache_reaches_the_attention_under_the_installed_name(monke
 
     expected, expected_keys = run(_norms_only(model, monkeypatch).model.layers[0])
     output, keys = run(_patched(model).model.layers[0])
-    assert expected_keys is not None and expected_keys.shape[-2] == ids.shape[1]
+    assert expected_keys is not None and expected_keys.shape[-2] == hidden.shape[1]
     assert torch.equal(output, expected) and torch.equal(keys, expected_keys)
