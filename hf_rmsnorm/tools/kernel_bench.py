@@ -338,6 +338,8 @@ def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], set
 LAUNCH_ROWS = (1, 16, 64)
 LAUNCH_GOAL_SLACK_S = 2e-6
 HOST_CALLS = 2000
+# Eager add + norm implementations whose host time per call a fused decode call is compared with.
+HOST_BASELINES = ("hf_eager", "torch_rms_norm")
 
 
 def host_seconds_per_call(fn: Callable[[], Any], calls: int = HOST_CALLS) -> float:
@@ -375,14 +377,23 @@ def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
     empty_graph, empty_host = graph_seconds(launch_empty), host_seconds_per_call(launch_empty)
     lines = [f"launch cost, hidden {hidden}: empty Triton kernel {empty_graph * 1e6:.2f} us on the GPU (graph), "
              f"{empty_host * 1e6:.2f} us on the host (eager); goal: + {LAUNCH_GOAL_SLACK_S * 1e6:.0f} us"]
-    weight = torch.ones(hidden, dtype=DTYPES[settings.dtype_name], device=settings.device)
+    dtype = DTYPES[settings.dtype_name]
+    weight = torch.ones(hidden, dtype=dtype, device=settings.device)
     for rows in LAUNCH_ROWS:
         x, residual = (torch.randn(rows, hidden, dtype=weight.dtype, device=settings.device) for _ in range(2))
         with torch.no_grad():
             call = functools.partial(fused_add_rms_norm, x, residual, weight, EPS)
             on_gpu, on_host = graph_seconds(call), host_seconds_per_call(call)
+            # What an unpatched decode step pays on the host for the same work (no graph: eager generate()).
+            baselines = ", ".join(
+                f"{name} {host_seconds_per_call(functools.partial(impl.forward, x, residual)) * 1e6:.2f}"
+                for name, impl in ((n, build_impl(n, hidden, dtype, settings.device)) for n in HOST_BASELINES)
+            )
+            # The goal for a fused decode call: no more host time than a single eager aten op.
+            aten_add = host_seconds_per_call(functools.partial(torch.add, x, residual))
         lines.append(f"  rows {rows:>3}: hf_rmsnorm fwd {on_gpu * 1e6:.2f} us GPU ({verdict(on_gpu, empty_graph)}), "
-                     f"{on_host * 1e6:.2f} us host ({verdict(on_host, empty_host)})")
+                     f"{on_host * 1e6:.2f} us host ({verdict(on_host, empty_host)}; one aten add "
+                     f"{aten_add * 1e6:.2f} us); host us per add + norm: {baselines}")
     return lines
 
 

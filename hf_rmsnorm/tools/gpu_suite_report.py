@@ -1,0 +1,147 @@
+"""The files ``gpu_suite`` writes: a Markdown summary of the figures, the full results as JSON, the log and a plot.
+
+Every figure in the summary is read from the JSON that the section's own script wrote (``bench_kernels.py``,
+``verify.py``, ``finetune.py``), never recomputed here, so the summary says what the scripts measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .gpu_suite import Outcome
+
+KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile")
+# The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
+LAUNCH_LINE_PREFIXES = ("launch cost", "  rows")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines + [""]
+
+
+def kernel_lines(name: str, bench: dict) -> list[str]:
+    """hf_rmsnorm's time, bandwidth and fraction of copy bandwidth per shape, and its speedup over each baseline."""
+    results = [r for r in bench["results"] if r["status"] == "ok"]
+    failed = [r for r in bench["results"] if r["status"] != "ok"]
+    by_key = {(r["impl"], r["phase"], r["rows"], r["hidden"]): r for r in results}
+    baselines = [b for b in KERNEL_BASELINES if any(r["impl"] == b for r in bench["results"])]
+    rows = []
+    for (impl, phase, n_rows, hidden), r in by_key.items():
+        if impl != "hf_rmsnorm":
+            continue
+        speedups = []
+        for b in baselines:
+            base = by_key.get((b, phase, n_rows, hidden))
+            speedups.append(f"{base['seconds'] / r['seconds']:.2f}x" if base else "-")
+        rows.append((phase, n_rows, hidden, f"{r['seconds'] * 1e6:.1f}", f"{r['gbps']:.0f}",
+                     f"{100 * r['copy_fraction']:.1f}%", *speedups))
+    lines = [f"### {name} ({bench['device']}, {r0['dtype'] if (r0 := next(iter(results), None)) else ''}; "
+             f"copy bandwidth {bench['copy_gbps']:.0f} GB/s)", ""]
+    lines += _table(("phase", "rows", "hidden", "us", "GB/s", "% of copy", *(f"vs {b}" for b in baselines)), rows)
+    if failed:
+        lines += [f"Not measured: {len(failed)} runs, e.g. {failed[0]['impl']} {failed[0]['phase']} "
+                  f"{failed[0]['rows']}x{failed[0]['hidden']}: {failed[0]['status']}", ""]
+    return lines
+
+
+def generate_lines(name: str, report: dict) -> list[str]:
+    """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
+    speed = report.get("speed")
+    env = report["environment"]
+    settings = report["settings"]
+    lines = [f"### {name}: {report['model']} ({report['parameters'] / 1e9:.2f}B parameters, {report['dtype']}, "
+             f"batch {settings['batch_size']}, prompt {settings['prompt_len']}, {settings['max_new_tokens']} new "
+             f"tokens, median of {settings['repeats']}; {env['device_name']})", "",
+             f"Parity: {'PASS' if report['passed'] else 'FAIL'}; {report['patch']['norms']} norms, "
+             f"{report['patch']['fused_adds']} fused adds.", ""]
+    if not speed:
+        return lines + ["No speed figures (no GPU).", ""]
+    rows = [(what, f"{speed['unpatched'][key]:.1f}", f"{speed['patched'][key]:.1f}", f"{speed[ratio]:.3f}x")
+            for what, key, ratio in (("prefill tokens/s", "prefill_tokens_per_s", "prefill_speedup"),
+                                     ("decode tokens/s", "decode_tokens_per_s", "decode_speedup"))]
+    rows.append(("peak memory GiB", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
+                 f"{speed['patched']['peak_memory_bytes'] / 2**30:.2f}", ""))
+    return lines + _table(("", "unpatched", "patched", "speedup"), rows)
+
+
+def _step_seconds(metrics: dict) -> float:
+    times = metrics["step_times_s"][1:] or metrics["step_times_s"]
+    return statistics.median(times)
+
+
+def train_lines(patched: dict | None, unpatched: dict | None) -> list[str]:
+    """Median step time (first step left out), tokens/s and peak memory, patched against ``--no-patch``."""
+    runs = [(label, m) for label, m in (("patched", patched), ("unpatched", unpatched)) if m]
+    if not runs:
+        return []
+    first = runs[0][1]
+    lines = [f"### training: {first['model']}, {first['batch_size']} x {first['seq_len']} tokens, "
+             f"{first['mixed_precision']} mixed precision, {first['max_steps']} steps", ""]
+    rows = [(label, f"{_step_seconds(m) * 1e3:.1f}", f"{m['tokens_per_s']:.0f}",
+             f"{(m['peak_memory_bytes'] or 0) / 2**30:.2f}", f"{m['losses'][0]:.4f} -> {m['losses'][-1]:.4f}")
+            for label, m in runs]
+    lines += _table(("", "median step ms", "tokens/s", "peak memory GiB", "loss first -> last"), rows)
+    if patched and unpatched:
+        lines += [f"Patched step speedup: {_step_seconds(unpatched) / _step_seconds(patched):.3f}x; peak memory "
+                  f"{(patched['peak_memory_bytes'] or 0) / max(unpatched['peak_memory_bytes'] or 1, 1):.3f}x "
+                  "of unpatched.", ""]
+    return lines
+
+
+def summary(outcomes: list[Outcome], toy: bool) -> str:
+    """The Markdown summary of a suite run."""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"# GPU suite, {when}{' (dry run: toy sizes, figures mean nothing)' if toy else ''}", ""]
+    lines += _table(("section", "status", "seconds", "what"),
+                    [(o.name, o.status, f"{o.seconds:.0f}", o.what) for o in outcomes])
+    data = {o.name: o.data for o in outcomes}
+    outputs = {o.name: o.output for o in outcomes}
+    tests = outputs.get("tests", "").strip().splitlines()
+    if tests:
+        lines += [f"Tests on the card: {tests[-1]}", ""]
+    for name, output in outputs.items():
+        if name.startswith("kernels") and (bench := data[name].get(name)):
+            lines += kernel_lines(name, bench)
+            launch = [line for line in output.splitlines() if line.startswith(LAUNCH_LINE_PREFIXES)]
+            if launch:
+                lines += ["Host and GPU time per decode-sized call:", "", "```", *launch, "```", ""]
+        if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
+            lines += generate_lines(name, report)
+    lines += train_lines(data.get("train-1b-patched", {}).get("train-1b-patched"),
+                         data.get("train-1b-unpatched", {}).get("train-1b-unpatched"))
+    return "\n".join(lines)
+
+
+def write_plot(out: Path, outcomes: list[Outcome]) -> None:
+    """``kernels.png``: every kernel section's results in one plot (the benchmark's own plotting)."""
+    from .kernel_bench import Result, write_plot as plot_results
+
+    results, copy = {}, None
+    for o in outcomes:
+        bench = o.data.get(o.name) if o.name.startswith("kernels") else None
+        if bench and bench.get("results"):
+            for r in bench["results"]:  # a shape two sections measured is plotted once
+                if r["dtype"] == "bf16":
+                    results.setdefault((r["impl"], r["phase"], r["rows"], r["hidden"]), Result(**r))
+            copy = bench["copy_gbps"]
+    if results and copy:
+        plot_results(list(results.values()), out / "kernels.png", copy)
+
+
+def write_files(out: Path, outcomes: list[Outcome], toy: bool) -> None:
+    """summary.md, results.json, log.txt and kernels.png in ``out``."""
+    (out / "summary.md").write_text(summary(outcomes, toy) + "\n")
+    (out / "results.json").write_text(json.dumps(
+        {"dry_run": toy, "sections": [{k: v for k, v in dataclasses.asdict(o).items() if k != "output"}
+                                      for o in outcomes]}, indent=1) + "\n")
+    (out / "log.txt").write_text("".join(
+        f"===== {o.name}: {o.status} in {o.seconds:.0f} s\n$ {o.command}\n{o.output}\n" for o in outcomes))
+    write_plot(out, outcomes)
