@@ -149,11 +149,24 @@ def test_strided_rows_and_non_collapsible_views(n_cols):
     weight = _randn(n_cols, dtype=torch.bfloat16, seed=16)
     y, s = fused_add_rms_norm(x, r, weight, EPS)
     assert torch.equal(s, r + x)
-    assert torch.equal(y, _hf_module(LlamaRMSNorm, weight)(r + x))
+    # Strides change nothing: the same rows laid out contiguously give the same bits.
+    y_contiguous, _ = fused_add_rms_norm(x.contiguous(), r.contiguous(), weight, EPS)
+    assert torch.equal(y, y_contiguous)
+    _assert_within_an_ulp(y, _hf_module(LlamaRMSNorm, weight)(r + x))
 
     x3 = _randn(5, 3, n_cols, dtype=torch.float16, seed=17).transpose(0, 1)  # [3, 5, n] not viewable as rows
     w16 = weight.to(torch.float16)
-    assert torch.equal(rms_norm(x3, w16, EPS), _hf_module(LlamaRMSNorm, w16)(x3))
+    y3 = rms_norm(x3, w16, EPS)
+    assert torch.equal(y3, rms_norm(x3.contiguous(), w16, EPS))
+    _assert_within_an_ulp(y3, _hf_module(LlamaRMSNorm, w16)(x3))
+
+
+def _assert_within_an_ulp(ours, eager):
+    """Equal to Hugging Face's module up to an ulp: a wide row's sum of squares is reduced in a different order
+    from torch's, and on a GPU the resulting last-bit difference of rstd rounds some fp16 outputs the other way
+    (seen at width 20000 on an H200)."""
+    ulp = torch.finfo(ours.dtype).eps
+    torch.testing.assert_close(ours, eager, rtol=ulp, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools import parity, workload
 from hf_rmsnorm.tools.loading import ModelLoadError, looks_like_path, parse_dtype
 from hf_rmsnorm.tools.presets import DEFAULT_PRESET, PRESETS, build_preset
+
+# In-process runs of verify.py must ask for the device this test process set the kernels up for (conftest.py).
+IN_PROCESS_DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "verify.py"
 # Small enough that one run is a few seconds on two cores, large enough for padding and several decode steps.
@@ -97,7 +101,7 @@ def test_main_bad_input(args, fragments, capsys, monkeypatch):
     # the real exit path.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert _load_script().main([*args, "--device", "cpu"]) == 2
+    assert _load_script().main([*args, "--device", IN_PROCESS_DEVICE]) == 2
     captured = capsys.readouterr()
     assert_bad_input(subprocess.CompletedProcess(args, 2, captured.out, captured.err), *fragments)
 
@@ -109,7 +113,7 @@ def test_main_hub_unreachable(capsys, monkeypatch):
     for name in ("http_proxy", "https_proxy", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.upper(), raising=False)
-    assert _load_script().main(["--model", "org/not-cached-model", "--device", "cpu"]) == 2
+    assert _load_script().main(["--model", "org/not-cached-model", "--device", IN_PROCESS_DEVICE]) == 2
     captured = capsys.readouterr()
     assert_bad_input(subprocess.CompletedProcess([], 2, captured.out, captured.err),
                      "unreachable", "save_pretrained", "HF_HUB_OFFLINE")

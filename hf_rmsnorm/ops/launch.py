@@ -11,6 +11,7 @@ import functools
 import torch
 import triton
 
+from .fast_launch import CachedLauncher
 from .kernels import norm_bwd_kernel, norm_fwd_kernel
 from .modes import get_mode, sum_dtype
 
@@ -37,6 +38,22 @@ def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
     # About 16 elements (two 128-bit bf16 loads) per thread and tensor, between 4 and 16 warps.
     num_warps = max(4, min(16, block_m * block_n // 512))
     return block_m, block_n, True, num_warps
+
+
+_LAUNCHERS: dict[object, CachedLauncher] = {}
+
+
+def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
+    """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``, through its ``CachedLauncher``."""
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = CachedLauncher(kernel)
+    launcher(grid, args, constexprs, num_warps)
+
+
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv goes through Triton's constexpr-function machinery: microseconds per call on the host.
+    return -(-a // b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,14 +129,15 @@ def norm_forward(
     # Outputs are fresh and contiguous: their row stride is n_cols.
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     with _on_device(x):
-        norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-            x2, r2, weight, bias, y, y if new_residual is None else new_residual, stats,
-            n_rows, n_cols,
-            stride_x, stride_r, n_cols, n_cols,
-            eps,
-            HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, **m.kernel_flags,
-            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
-            num_warps=num_warps,
+        _launch(
+            norm_fwd_kernel, _cdiv(n_rows, block_m),
+            (x2, r2, weight, bias, y, y if new_residual is None else new_residual, stats,
+             n_rows, n_cols,
+             stride_x, stride_r, n_cols, n_cols,
+             eps),
+            dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, **m.kernel_flags,
+                 BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
+            num_warps,
         )
     return y, new_residual, stats
 
@@ -144,7 +162,7 @@ def norm_backward(
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
     n_rows = norm_input.numel() // n_cols if n_cols else 0
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
-    n_row_blocks = triton.cdiv(n_rows, block_m)
+    n_row_blocks = _cdiv(n_rows, block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = torch.zeros_like(weight)
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
@@ -154,7 +172,7 @@ def norm_backward(
         n_programs = min(n_row_blocks, INTERPRET_BWD_PROGRAMS)
     else:
         n_programs = min(n_row_blocks, _sm_count(device.index or 0) * BWD_PROGRAMS_PER_SM)
-    row_blocks_per_program = triton.cdiv(n_row_blocks, n_programs)
+    row_blocks_per_program = _cdiv(n_row_blocks, n_programs)
     dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
     db_partial = None if bias_dtype is None else torch.empty_like(dw_partial)
 
@@ -163,13 +181,14 @@ def norm_backward(
     weight, stats = weight.contiguous(), stats.contiguous()  # unit stride, as in the forward
     dsum2, stride_dsum = (dy2, stride_dy) if dsum is None else _as_rows(dsum, n_cols)
     with _on_device(dy):
-        norm_bwd_kernel[(n_programs,)](
-            dy2, dsum2, s2, stats, weight, dx, dx if dres is None else dres, dw_partial, db_partial,
-            n_rows, n_cols, n_row_blocks, row_blocks_per_program,
-            stride_dy, stride_dsum, stride_s, n_cols, n_cols,
-            HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
-            **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile,
-            num_warps=num_warps,
+        _launch(
+            norm_bwd_kernel, n_programs,
+            (dy2, dsum2, s2, stats, weight, dx, dx if dres is None else dres, dw_partial, db_partial,
+             n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+             stride_dy, stride_dsum, stride_s, n_cols, n_cols),
+            dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
+                 **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
+            num_warps,
         )
     dweight = dw_partial.sum(0).to(weight.dtype)
     dbias = None if db_partial is None else db_partial.sum(0).to(bias_dtype)

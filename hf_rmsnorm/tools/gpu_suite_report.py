@@ -67,7 +67,7 @@ def generate_lines(name: str, report: dict) -> list[str]:
     rows = [(what, f"{speed['unpatched'][key]:.1f}", f"{speed['patched'][key]:.1f}", f"{speed[ratio]:.3f}x")
             for what, key, ratio in (("prefill tokens/s", "prefill_tokens_per_s", "prefill_speedup"),
                                      ("decode tokens/s", "decode_tokens_per_s", "decode_speedup"))]
-    rows.append(("peak memory GiB", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
+    rows.append(("peak memory GiB beyond weights", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
                  f"{speed['patched']['peak_memory_bytes'] / 2**30:.2f}", ""))
     return lines + _table(("", "unpatched", "patched", "speedup"), rows)
 

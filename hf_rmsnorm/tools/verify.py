@@ -150,7 +150,7 @@ def render(report: dict) -> str:
                  f"{patched['prefill_tokens_per_s']:.0f}", f"{speed['prefill_speedup']:.3f}x"),
                 ("decode tokens/s", f"{unpatched['decode_tokens_per_s']:.1f}",
                  f"{patched['decode_tokens_per_s']:.1f}", f"{speed['decode_speedup']:.3f}x"),
-                ("peak memory GiB", f"{unpatched['peak_memory_bytes'] / gib:.3f}",
+                ("generate() peak memory GiB (beyond weights)", f"{unpatched['peak_memory_bytes'] / gib:.3f}",
                  f"{patched['peak_memory_bytes'] / gib:.3f}", ""),
             ]),
         ]

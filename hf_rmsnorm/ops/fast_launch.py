@@ -1,0 +1,81 @@
+"""Launching a Triton kernel for a fraction of ``kernel[grid](...)``'s host time, running the very binary Triton
+would run.
+
+Every ``kernel[grid](*args)`` call re-derives what the compiled kernel depends on: it binds the arguments, works
+out each one's specialisation, builds a cache key string and looks the kernel up, before it calls the compiled
+kernel's launcher. On a GPU host that costs 10 us for a kernel with one argument and more with the norms' 15,
+several times a decode-sized kernel's own run time. A decoder calls each norm with the same shapes over and over,
+so ``CachedLauncher`` remembers the compiled kernel that Triton returned, under a key made of everything Triton
+specialises a launch on:
+
+* each tensor's dtype and whether its address is 16-byte aligned;
+* each integer's class: equal to 1, divisible by 16, beyond 32 bits (the three properties Triton specialises
+  integers on); ``None`` arguments; floats are never specialised;
+* the constexpr values, ``num_warps`` and the device.
+
+The key is at least as fine as Triton's own, so every call with a known key runs the binary that Triton would
+have picked for it, launched through the same launcher call with the same hooks; any other call (a new key, the
+CPU interpreter, a Triton release without the launcher interface used here) takes ``kernel[grid](...)``. The
+cache only ever holds what Triton's own cache holds, so its answer never depends on what ran before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+# The launcher interface (CompiledKernel.run/function/packed_metadata/launch_metadata, hooks in triton.knobs)
+# has been this one since Triton 3.4; older releases always take Triton's own path.
+_KNOBS = getattr(triton, "knobs", None)
+_INT32_MAX = 2**31 - 1
+
+
+def _arg_key(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if type(arg) is int:
+        return arg == 1, arg % 16 == 0, arg > _INT32_MAX or arg < -_INT32_MAX
+    if arg is None or type(arg) is float:
+        return arg is None
+    return arg  # anything else Triton sees by value
+
+
+def _current_stream(device_index: int) -> int:
+    """The raw current stream of the device, fetched as Triton's own launch path fetches it."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream(device_index)
+
+
+class CachedLauncher:
+    """``launcher(grid, args, constexprs, num_warps)`` does what ``kernel[(grid,)](*args, **constexprs,
+    num_warps=num_warps)`` does, with Triton's per-call work skipped once the specialisation is known.
+
+    ``args`` are the kernel's runtime arguments in order and ``constexprs`` its constexpr arguments, which the
+    kernel must declare after all runtime ones and which are passed on in the kernel's declared order."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.constexpr_names = tuple(p.name for p in getattr(kernel, "params", ()) if p.is_constexpr)
+        self.compiled: dict[tuple, Any] = {}
+
+    def __call__(self, grid: int, args: tuple, constexprs: dict[str, Any], num_warps: int) -> None:
+        device = args[0].device
+        if device.type != "cuda" or _KNOBS is None:
+            self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
+            return
+        key = (device.index, num_warps, *map(_arg_key, args), *(constexprs[name] for name in self.constexpr_names))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
+            if all(hasattr(compiled, attr) for attr in ("run", "function", "packed_metadata", "launch_metadata")):
+                self.compiled[key] = compiled
+            return
+        all_args = (*args, *(constexprs[name] for name in self.constexpr_names))
+        stream = _current_stream(device.index)
+        runtime = _KNOBS.runtime
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                     compiled.launch_metadata((grid, 1, 1), stream, *all_args),
+                     runtime.launch_enter_hook, runtime.launch_exit_hook, *all_args)
