@@ -15,6 +15,7 @@ from hf_rmsnorm import fused_add_rms_norm, rms_norm
 from hf_rmsnorm.ops import reference
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
+from hf_rmsnorm.tools.norm_outputs import ulp_distance
 
 pytestmark = pytest.mark.skipif(
     not kernels_interpreted() and not torch.cuda.is_available(), reason="kernels need a GPU or Triton's interpreter"
@@ -152,21 +153,23 @@ def test_strided_rows_and_non_collapsible_views(n_cols):
     # Strides change nothing: the same rows laid out contiguously give the same bits.
     y_contiguous, _ = fused_add_rms_norm(x.contiguous(), r.contiguous(), weight, EPS)
     assert torch.equal(y, y_contiguous)
-    _assert_within_an_ulp(y, _hf_module(LlamaRMSNorm, weight)(r + x))
+    _assert_within_a_rounding_of_eager(y, _hf_module(LlamaRMSNorm, weight)(r + x))
 
     x3 = _randn(5, 3, n_cols, dtype=torch.float16, seed=17).transpose(0, 1)  # [3, 5, n] not viewable as rows
     w16 = weight.to(torch.float16)
     y3 = rms_norm(x3, w16, EPS)
     assert torch.equal(y3, rms_norm(x3.contiguous(), w16, EPS))
-    _assert_within_an_ulp(y3, _hf_module(LlamaRMSNorm, w16)(x3))
+    _assert_within_a_rounding_of_eager(y3, _hf_module(LlamaRMSNorm, w16)(x3))
 
 
-def _assert_within_an_ulp(ours, eager):
-    """Equal to Hugging Face's module up to an ulp: a wide row's sum of squares is reduced in a different order
-    from torch's, and on a GPU the resulting last-bit difference of rstd rounds some fp16 outputs the other way
-    (seen at width 20000 on an H200)."""
-    ulp = torch.finfo(ours.dtype).eps
-    torch.testing.assert_close(ours, eager, rtol=ulp, atol=0)
+def _assert_within_a_rounding_of_eager(ours, eager):
+    """Equal to Hugging Face's module but for rare outputs at most two ulps away: a wide row's sum of squares is
+    reduced in another order than torch's, an rstd one fp32 ulp away can round a normalised value to the
+    neighbouring half-precision number, and the weight (|w| < 2 ulps of the output per ulp of the normalised
+    value) carries that to the output. Seen on an H200: 6 of 300000 fp16 outputs at width 20000."""
+    distance = ulp_distance(ours, eager.detach())
+    assert distance.max().item() <= 2
+    assert (distance > 0).float().mean().item() < 1e-3
 
 
 @pytest.mark.parametrize(

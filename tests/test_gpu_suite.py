@@ -1,0 +1,77 @@
+"""scripts/gpu_suite.py: the dry run writes every file on any machine, and the summary reports the figures the
+sections' own scripts wrote."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_rmsnorm.tools import gpu_suite
+from hf_rmsnorm.tools.gpu_suite import Outcome
+from hf_rmsnorm.tools.gpu_suite_report import summary
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.py"
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_section_and_writes_the_files(tmp_path):
+    out = tmp_path / "suite"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--dry-run"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert {p.name for p in out.iterdir()} >= {"summary.md", "results.json", "log.txt"}
+    sections = json.loads((out / "results.json").read_text())["sections"]
+    assert [s["name"] for s in sections] == [s.name for s in gpu_suite.SECTIONS]
+    assert all(s["status"] == "ok" for s in sections)
+    # The generate sections ran verify.py for real (parity on a tiny model) and the summary says so.
+    assert "Parity: PASS" in (out / "summary.md").read_text()
+
+
+def test_a_section_past_its_limit_is_stopped_and_reported(tmp_path):
+    section = gpu_suite.Section("sleep", "sleeps", 1, ("{py}", "-c", "import time; time.sleep(30)"),
+                                ("{py}", "-c", "import time; time.sleep(30)"))
+    outcome = gpu_suite.run_section(section, 1, tmp_path, toy=True, env=gpu_suite.section_env())
+    assert outcome.status == "timed out after 1 s" and outcome.seconds < 10
+
+
+def _bench(impl_seconds: dict[str, float]) -> dict:
+    return {"device": "GPU X", "torch": "2", "copy_gbps": 4000.0, "results": [
+        {"impl": impl, "phase": "fwd", "rows": 4096, "hidden": 4096, "dtype": "bf16", "status": "ok",
+         "seconds": seconds, "traffic_bytes": 134217728, "gbps": 134217728 / seconds / 1e9,
+         "copy_fraction": 134217728 / seconds / 1e9 / 4000.0, "cuda_graph": False}
+        for impl, seconds in impl_seconds.items()]}
+
+
+def test_summary_reports_the_scripts_figures():
+    generate = {
+        "passed": True, "model": "llama-3.2-1b-shape", "parameters": 1.24e9, "dtype": "bf16",
+        "settings": {"batch_size": 1, "prompt_len": 128, "max_new_tokens": 256, "repeats": 5},
+        "environment": {"device_name": "GPU X"}, "patch": {"norms": 33, "fused_adds": 32},
+        "speed": {"unpatched": {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 80.0,
+                                "peak_memory_bytes": 2**30},
+                  "patched": {"prefill_tokens_per_s": 1100.0, "decode_tokens_per_s": 100.0,
+                              "peak_memory_bytes": 2**30},
+                  "prefill_speedup": 1.1, "decode_speedup": 1.25},
+    }
+    metrics = {"model": "m", "batch_size": 1, "seq_len": 2048, "mixed_precision": "bf16", "max_steps": 3,
+               "losses": [3.0, 2.0, 1.0], "tokens_per_s": 1000.0, "peak_memory_bytes": 2**31}
+    outcomes = [
+        Outcome("tests", "t", "ok", output="... 10 passed in 3.0s\n"),
+        Outcome("kernels-bf16", "k", "ok", data={"kernels-bf16": _bench({"hf_rmsnorm": 35e-6, "hf_eager": 70e-6})},
+                output="launch cost, hidden 4096: empty Triton kernel 9.00 us\n  rows   1: hf_rmsnorm fwd 9.1 us\n"),
+        Outcome("generate-1b", "g", "ok", data={"generate-1b": generate}),
+        Outcome("train-1b-patched", "p", "ok", data={"train-1b-patched": {**metrics, "step_times_s": [9, 0.5, 0.5]}}),
+        Outcome("train-1b-unpatched", "u", "ok",
+                data={"train-1b-unpatched": {**metrics, "step_times_s": [9, 0.6, 0.6]}}),
+        Outcome("prefill-1b", "p", "timed out after 80 s"),
+    ]
+    text = summary(outcomes, toy=False)
+    assert "Tests on the card: ... 10 passed in 3.0s" in text
+    # 134 MB in 35 us: 3835 GB/s, 95.9% of 4000 GB/s, twice as fast as the eager baseline.
+    assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 2.00x |" in text
+    assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
+    assert "| decode tokens/s | 80.0 | 100.0 | 1.250x |" in text
+    assert "Patched step speedup: 1.200x" in text
+    assert "| prefill-1b | timed out after 80 s |" in text
