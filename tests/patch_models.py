@@ -105,3 +105,17 @@ def reachable_modules(root: torch.nn.Module) -> set[int]:
             found.add(id(obj))
         stack.extend(gc.get_referents(obj))
     return found
+
+
+def without_layer_fusion(monkeypatch, layers: dict | None = None) -> None:
+    """Makes patch_model see only the registry's norms (and ``layers``, if given), recognising no layer or stack
+    by its code: the unfused baseline of the same kernels."""
+    from hf_rmsnorm.patch import patcher
+    from hf_rmsnorm.patch.families import Registry, registry
+
+    full = registry()
+    monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, layers or {}, {} if layers is None
+                                                              else full.stacks))
+    monkeypatch.setattr(patcher, "recognised_layer_kinds", lambda cls: ())
+    monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
+

@@ -5,11 +5,10 @@ import copy
 
 import pytest
 import torch
-from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model
+from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model, without_layer_fusion
 
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import patcher
-from hf_rmsnorm.patch.families import Registry, registry
 
 
 def _norms_only(model, monkeypatch):
@@ -17,7 +16,7 @@ def _norms_only(model, monkeypatch):
     bitwise."""
     copy_ = clone(model)
     with monkeypatch.context() as patch:
-        patch.setattr(patcher, "registry", lambda: Registry(norms=registry().norms, layers={}, stacks={}))
+        without_layer_fusion(patch)
         assert not patch_model(copy_).fused_adds
     return copy_
 

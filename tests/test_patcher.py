@@ -8,11 +8,11 @@ unfused, and accuracy against an fp64 copy of the model.
 
 import pytest
 import torch
-from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model
+from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model, without_layer_fusion
 
 from hf_rmsnorm import UnsupportedModelError, check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import patcher
-from hf_rmsnorm.patch.families import LayerKind, Registry, registry
+from hf_rmsnorm.patch.families import LayerKind, registry
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Largest difference from the eager model, relative to the largest |value|: two ulps of the dtype, a bit more
@@ -38,7 +38,7 @@ def _assert_close_rel(actual, expected, tol):
 @pytest.fixture
 def norms_only(monkeypatch):
     """Makes patch_model swap the norms only (no layer fusion): the unfused baseline of the same kernels."""
-    monkeypatch.setattr(patcher, "registry", lambda: Registry(norms=registry().norms, layers={}, stacks={}))
+    without_layer_fusion(monkeypatch)
     return monkeypatch
 
 
@@ -294,22 +294,46 @@ def test_an_unsupported_family_raises_and_is_left_untouched():
     _assert_same(model, before)
 
 
-def test_norms_of_unknown_classes_are_skipped_never_patched():
+def test_norms_of_unknown_classes_are_patched_by_their_numerics_or_skipped_with_the_reason():
     class MyRMSNorm(torch.nn.Module):
+        """Llama's maths under another name: recognised by its numerics."""
+
         def __init__(self):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.ones(64))
+            self.weight = torch.nn.Parameter(torch.randn(64))
             self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states):
+            h = hidden_states.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return self.weight * h.to(hidden_states.dtype)
+
+    class ScaledRMSNorm(MyRMSNorm):
+        """Not an RMSNorm of any mode: its output is scaled once more."""
+
+        def forward(self, hidden_states):
+            return super().forward(hidden_states) * 1.5
+
+    class GatedRMSNorm(MyRMSNorm):
+        def forward(self, hidden_states, gate=None):
+            return super().forward(hidden_states)
 
     model = tiny_model("llama")
     model.model.extra_norm = MyRMSNorm()
+    model.model.scaled_norm = ScaledRMSNorm()
+    model.model.gated_norm = GatedRMSNorm()
     model.model.layer_norm = torch.nn.LayerNorm(64)
+    x = torch.randn(3, 64)
+    expected = model.model.extra_norm(x)
     report = patch_model(model)
-    assert type(model.model.extra_norm) is MyRMSNorm and type(model.model.layer_norm) is torch.nn.LayerNorm
+    assert "model.extra_norm" in report.norms and "My (recognised)" in report.families
+    torch.testing.assert_close(model.model.extra_norm(x), expected, rtol=1e-6, atol=1e-6)  # fp32 reductions
+    assert type(model.model.scaled_norm) is ScaledRMSNorm and type(model.model.layer_norm) is torch.nn.LayerNorm
     skipped = dict(report.skipped)
-    assert "is not a norm of a supported family" in skipped["model.extra_norm"]
+    assert "ScaledRMSNorm's numerics match none of the kernels' modes" in skipped["model.scaled_norm"]
+    assert "GatedRMSNorm.forward takes more than the hidden states (hidden_states, gate)" in skipped["model.gated_norm"]
     assert skipped["model.layer_norm"].startswith("torch.nn.modules.normalization.LayerNorm is not")
-    assert len(report.norms) == 5
+    assert len(report.norms) == 6
 
 
 def test_a_layer_of_unexpected_structure_keeps_patched_norms_without_fused_adds(monkeypatch):
@@ -320,7 +344,7 @@ def test_a_layer_of_unexpected_structure_keeps_patched_norms_without_fused_adds(
     changed = {cls: tuple((family, dataclasses.replace(kind, forward_params=("hidden_states", "mask")))
                           for family, kind in kinds)
                for cls, kinds in full.layers.items()}
-    monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, changed, full.stacks))
+    without_layer_fusion(monkeypatch, layers=changed)
     ids = input_ids()
     eager = _logits(model, ids)
     report = patch_model(model)

@@ -41,7 +41,7 @@ _BACKWARD_NAMES = ("dy", "dsum", "norm_input", "stats", "weight")
 def check_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
 ) -> None:
@@ -60,7 +60,7 @@ def check_forward(
         raise ValueError(f"{op}: x is 0-dimensional; x must have at least 1 dimension (the normalised one)")
     n_cols = x.shape[-1]
     # Comparing whole shapes with a 1-tuple also rejects a 2-D weight whose first dimension happens to match.
-    if weight.shape != (n_cols,):
+    if weight is not None and weight.shape != (n_cols,):
         raise _row_vector_error(op, "weight", weight, "x", n_cols)
     if bias is not None and bias.shape != (n_cols,):
         raise _row_vector_error(op, "bias", bias, "x", n_cols)
@@ -77,7 +77,7 @@ def check_backward(
     dsum: torch.Tensor | None,
     norm_input: torch.Tensor,
     stats: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     mode: str,
 ) -> None:
     """Checks the tensor arguments of the ``rms_norm_bwd`` custom op against the forward's input.
@@ -106,7 +106,7 @@ def check_backward(
             f"of shape {_sizes(norm_input.shape)}"
         )
     n_cols = norm_input.shape[-1]
-    if weight.shape != (n_cols,):
+    if weight is not None and weight.shape != (n_cols,):
         raise _row_vector_error(op, "weight", weight, "norm_input", n_cols)
 
 

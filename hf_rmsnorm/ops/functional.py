@@ -43,7 +43,9 @@ def _fake_forward(x, residual, weight, bias, eps, mode):
     return y, x.new_empty(x.shape, dtype=norm_dtype), stats
 
 
-def _rms_norm_impl(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str) -> tuple[Tensor, Tensor]:
+def _rms_norm_impl(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
+) -> tuple[Tensor, Tensor]:
     y, _, stats = _forward(x, None, weight, bias, eps, mode)
     return y, stats
 
@@ -58,7 +60,7 @@ def _(x, weight, bias, eps, mode):
 
 
 def _add_rms_norm_impl(
-    x: Tensor, residual: Tensor, weight: Tensor, bias: Tensor | None, eps: float, mode: str
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _forward(x, residual, weight, bias, eps, mode)
 
@@ -76,14 +78,14 @@ def _rms_norm_bwd_impl(
     dsum: Tensor | None,
     norm_input: Tensor,
     stats: Tensor,
-    weight: Tensor,
+    weight: Tensor | None,
     bias_dtype: torch.dtype | None,
     mode: str,
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed are empty tensors (custom
-    ops cannot return None, nor one tensor twice)."""
+    """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed (or that do not exist: no
+    weight) are empty tensors (custom ops cannot return None, nor one tensor twice)."""
     check_backward(dy, dsum, norm_input, stats, weight, mode)
     if runs_kernels(dy, dsum, norm_input, weight):
         dx, dres, dweight, dbias = norm_backward(
@@ -95,9 +97,10 @@ def _rms_norm_bwd_impl(
         )
         dx = grad.to(dx_dtype)
         dres = None if dres_dtype is None else grad.to(dres_dtype)
-        dweight = dweight.to(weight.dtype)
+        dweight = None if dweight is None else dweight.to(weight.dtype)
         dbias = None if dbias is None else dbias.to(bias_dtype)
-    return dx, dx.new_empty(0) if dres is None else dres, dweight, dx.new_empty(0) if dbias is None else dbias
+    # A fresh empty tensor for each absent output: custom-op outputs may not alias one another.
+    return tuple(dx.new_empty(0) if t is None else t for t in (dx, dres, dweight, dbias))
 
 
 _rms_norm_bwd = torch.library.custom_op("hf_rmsnorm::rms_norm_bwd", mutates_args=())(_rms_norm_bwd_impl)
@@ -109,7 +112,7 @@ def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtyp
     dx = norm_input.new_empty(norm_input.shape, dtype=dx_dtype)
     dres = dx.new_empty(norm_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
     dbias = dx.new_empty((norm_input.shape[-1],) if bias_dtype is not None else (0,), dtype=bias_dtype or dx_dtype)
-    return dx, dres, torch.empty_like(weight), dbias
+    return dx, dres, dx.new_empty(0) if weight is None else torch.empty_like(weight), dbias
 
 
 def _save_common(ctx, norm_input: Tensor, stats: Tensor, weight: Tensor, bias: Tensor | None, mode: str) -> None:
@@ -133,7 +136,7 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
     dx, dres, dweight, dbias = backward(
         dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
     )
-    return dx, dres, dweight, (dbias if ctx.bias_dtype is not None else None)
+    return dx, dres, (dweight if weight is not None else None), (dbias if ctx.bias_dtype is not None else None)
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -199,13 +202,14 @@ def _needs_autograd(*tensors: Tensor | None) -> bool:
 
 
 def rms_norm(
-    x: Tensor, weight: Tensor, eps: float = 1e-6, *, bias: Tensor | None = None, mode: str = "llama"
+    x: Tensor, weight: Tensor | None, eps: float = 1e-6, *, bias: Tensor | None = None, mode: str = "llama"
 ) -> Tensor:
     """RMSNorm over the last dimension, numerically identical to Hugging Face's module of that family.
 
     Args:
         x: input of shape ``[..., hidden]``; the last dimension must be contiguous or it is copied.
-        weight: ``[hidden]`` scale.
+        weight: ``[hidden]`` scale, or None for a norm without one (NanoChat's): then ``y = n.to(x.dtype)`` in
+            every mode (plus ``bias``).
         eps: added to the mean square, in fp32.
         bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
         mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32) or ``"fp32_affine"``
@@ -232,7 +236,7 @@ def rms_norm(
 def fused_add_rms_norm(
     x: Tensor,
     residual: Tensor,
-    weight: Tensor,
+    weight: Tensor | None,
     eps: float = 1e-6,
     *,
     bias: Tensor | None = None,

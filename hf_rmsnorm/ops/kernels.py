@@ -53,19 +53,21 @@ def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL:
 @triton.jit
 def _scale_and_store(
     s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
-    NORM_DTYPE: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
 ):
-    """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype.
-    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below)."""
-    n = s * rstd[:, None]
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if WEIGHT_OFFSET != 0.0:
-        w = w + WEIGHT_OFFSET
-    if CAST_BEFORE_WEIGHT:
-        # Llama: the normalised row is rounded to the input dtype before the weight multiplies it.
-        n = n.to(NORM_DTYPE).to(tl.float32)
-    y = n * w[None, :]
+    """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
+    weight ``y = norm(s) (+ b)`` in every mode. ``runtime_one`` is 1.0, computed from a kernel argument so that
+    the compiler cannot see it (see below)."""
+    y = s * rstd[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHT_OFFSET != 0.0:
+            w = w + WEIGHT_OFFSET
+        if CAST_BEFORE_WEIGHT:
+            # Llama: the normalised row is rounded to the input dtype before the weight multiplies it.
+            y = y.to(NORM_DTYPE).to(tl.float32)
+        y = y * w[None, :]
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
         if CAST_BEFORE_WEIGHT:
@@ -83,7 +85,7 @@ def norm_fwd_kernel(
     n_rows, n_cols,
     stride_x, stride_res, stride_y, stride_sum,
     eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
@@ -114,7 +116,7 @@ def norm_fwd_kernel(
             s = tl.where(mask, s - correction[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
         _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
-                         NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+                         NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
     else:
         # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -156,7 +158,7 @@ def norm_fwd_kernel(
             if CENTER:
                 s = s - mean[:, None]
             _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
-                             NORM_DTYPE, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+                             NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     if CENTER:
         tl.store(RSTD + n_rows + rows, mean, mask=row_mask)
@@ -165,20 +167,24 @@ def norm_fwd_kernel(
 @triton.jit
 def _input_grad_tile(
     DY, S, W, rows, cols, col_mask, mask, rstd, mean, stride_dy, stride_s,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Loads one tile and returns ``(dy, n, g, n_weighted)``: the output gradient, the normalised row,
-    ``g = dy * w`` (the gradient at the normalised row) and the row the weight was multiplied with."""
+    ``g = dy * w`` (the gradient at the normalised row; ``dy`` without a weight) and the row the weight was
+    multiplied with."""
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
     s = s.to(tl.float32)
     if CENTER:
         s = s - mean[:, None]
     n = s * rstd[:, None]
-    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if WEIGHT_OFFSET != 0.0:
-        w = w + WEIGHT_OFFSET
-    g = dy * w[None, :]
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHT_OFFSET != 0.0:
+            w = w + WEIGHT_OFFSET
+        g = dy * w[None, :]
+    else:
+        g = dy
     if CAST_BEFORE_WEIGHT:
         n_weighted = n.to(S.dtype.element_ty).to(tl.float32)
     else:
@@ -205,7 +211,7 @@ def norm_bwd_kernel(
     DY, DSUM, S, RSTD, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, n_row_blocks, row_blocks_per_program,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
-    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
@@ -231,17 +237,20 @@ def norm_bwd_kernel(
             else:
                 mean = rstd  # not read without CENTER
             dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                    stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, CENTER)
+                                                    stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
+                                                    WEIGHT_OFFSET, CENTER)
             dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
             if CENTER:
                 dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
             dx = dx * rstd[:, None]
             _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                               HAS_DSUM, HAS_DRES)
-            dw_acc += dy * n_weighted
+            if HAS_WEIGHT:
+                dw_acc += dy * n_weighted
             if HAS_BIAS:
                 db_acc += dy
-        tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if HAS_WEIGHT:
+            tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
         if HAS_BIAS:
             tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
@@ -251,7 +260,8 @@ def norm_bwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
-            tl.store(DW_PARTIAL + partial_row + cols, zeros, mask=col_mask)
+            if HAS_WEIGHT:
+                tl.store(DW_PARTIAL + partial_row + cols, zeros, mask=col_mask)
             if HAS_BIAS:
                 tl.store(DB_PARTIAL + partial_row + cols, zeros, mask=col_mask)
         # Loads and stores of the partials may map columns to threads differently: order them.
@@ -271,7 +281,8 @@ def norm_bwd_kernel(
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
                 dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                        stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                                                        stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
+                                                        WEIGHT_OFFSET,
                                                         CENTER)
                 dot += g * n
                 if CENTER:
@@ -283,7 +294,8 @@ def norm_bwd_kernel(
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
                 dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                        stride_dy, stride_s, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                                                        stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
+                                                        WEIGHT_OFFSET,
                                                         CENTER)
                 dx = g - n * c[:, None]
                 if CENTER:
@@ -291,8 +303,9 @@ def norm_bwd_kernel(
                 dx = dx * rstd[:, None]
                 _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                                   HAS_DSUM, HAS_DRES)
-                dw = tl.load(DW_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
-                tl.store(DW_PARTIAL + partial_row + cols, dw + tl.sum(dy * n_weighted, axis=0), mask=col_mask)
+                if HAS_WEIGHT:
+                    dw = tl.load(DW_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
+                    tl.store(DW_PARTIAL + partial_row + cols, dw + tl.sum(dy * n_weighted, axis=0), mask=col_mask)
                 if HAS_BIAS:
                     db = tl.load(DB_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
                     tl.store(DB_PARTIAL + partial_row + cols, db + tl.sum(dy, axis=0), mask=col_mask)

@@ -102,7 +102,7 @@ class _on_device:
 def norm_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
     mode: str,
@@ -124,7 +124,7 @@ def norm_forward(
     r2, stride_r = (x2, stride_x) if residual is None else _as_rows(residual, n_cols)
     # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
     # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
-    weight = weight.contiguous()
+    weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
@@ -135,7 +135,8 @@ def norm_forward(
              n_rows, n_cols,
              stride_x, stride_r, n_cols, n_cols,
              eps),
-            dict(HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, **m.kernel_flags,
+            dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+                 **m.kernel_flags,
                  BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
             num_warps,
         )
@@ -147,14 +148,15 @@ def norm_backward(
     dsum: torch.Tensor | None,
     norm_input: torch.Tensor,
     stats: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias_dtype: torch.dtype | None,
     mode: str,
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Runs the backward kernel. Returns ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only
-    allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``)."""
+    allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``); ``dweight`` is None
+    without a weight."""
     shape = norm_input.shape
     n_cols = shape[-1]
     device = norm_input.device
@@ -164,7 +166,7 @@ def norm_backward(
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
     n_row_blocks = _cdiv(n_rows, block_m)
     if n_row_blocks == 0 or n_cols == 0:
-        dweight = torch.zeros_like(weight)
+        dweight = None if weight is None else torch.zeros_like(weight)
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
         return dx, dres, dweight, dbias
 
@@ -173,12 +175,13 @@ def norm_backward(
     else:
         n_programs = min(n_row_blocks, _sm_count(device.index or 0) * BWD_PROGRAMS_PER_SM)
     row_blocks_per_program = _cdiv(n_row_blocks, n_programs)
-    dw_partial = torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
-    db_partial = None if bias_dtype is None else torch.empty_like(dw_partial)
+    dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
+    db_partial = None if bias_dtype is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
 
     dy2, stride_dy = _as_rows(dy, n_cols)
     s2, stride_s = _as_rows(norm_input, n_cols)
-    weight, stats = weight.contiguous(), stats.contiguous()  # unit stride, as in the forward
+    weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
+    stats = stats.contiguous()
     dsum2, stride_dsum = (dy2, stride_dy) if dsum is None else _as_rows(dsum, n_cols)
     with _on_device(dy):
         _launch(
@@ -186,10 +189,11 @@ def norm_backward(
             (dy2, dsum2, s2, stats, weight, dx, dx if dres is None else dres, dw_partial, db_partial,
              n_rows, n_cols, n_row_blocks, row_blocks_per_program,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
-            dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_BIAS=bias_dtype is not None,
+            dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
+                 HAS_BIAS=bias_dtype is not None,
                  **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
             num_warps,
         )
-    dweight = dw_partial.sum(0).to(weight.dtype)
+    dweight = None if dw_partial is None else dw_partial.sum(0).to(weight.dtype)
     dbias = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dres, dweight, dbias

@@ -10,6 +10,7 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
     fp32_affine:  y = (n * w.float() (+ b.float())).to(x.dtype) output dtype: x.dtype
     layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
     layernorm_as_rmsnorm:  layernorm without the mean (a LayerNorm converted to RMSNorm)
+    without a weight (every mode): y = n.to(x.dtype) (+ b, rounded as the mode rounds it)
 
 The LayerNorm modes normalise an fp64 input in fp64, as ``nn.LayerNorm`` does; the others in fp32, as Hugging
 Face's RMSNorm bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
@@ -61,12 +62,12 @@ class Mode:
                 "CENTER": self.centre}
 
     def output_dtype(
-        self, norm_dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None
+        self, norm_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None
     ) -> torch.dtype:
         """The dtype Hugging Face's module returns for an input of ``norm_dtype``."""
         if not self.promotes_output:
             return norm_dtype
-        dtype = torch.promote_types(weight.dtype, norm_dtype)
+        dtype = norm_dtype if weight is None else torch.promote_types(weight.dtype, norm_dtype)
         return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
 
     def compute_dtype(self, norm_dtype: torch.dtype) -> torch.dtype:

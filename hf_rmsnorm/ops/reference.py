@@ -18,7 +18,7 @@ from .modes import get_mode
 def forward_reference(
     x: torch.Tensor,
     residual: torch.Tensor | None,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
     mode: str,
@@ -35,11 +35,11 @@ def forward_reference(
     n = s * rstd
     if m.cast_before_weight:
         # The product (and the bias add) round in the dtype torch promotes them to, as the eager module's do.
-        y = weight * n.to(norm_input.dtype)
+        y = n.to(norm_input.dtype) if weight is None else weight * n.to(norm_input.dtype)
         if bias is not None:
             y = y + bias
     else:
-        y = n * (weight.to(compute) + m.weight_offset)
+        y = n if weight is None else n * (weight.to(compute) + m.weight_offset)
         if bias is not None:
             y = y + bias.to(compute)
     y = y.to(m.output_dtype(norm_input.dtype, weight, bias))
@@ -54,12 +54,12 @@ def backward_reference(
     dsum: torch.Tensor | None,
     norm_input: torch.Tensor,
     stats: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     has_bias: bool,
     mode: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Gradients in the mode's compute dtype: ``(d norm_input, dweight, dbias)``; the caller casts them to the
-    input dtypes.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients in the mode's compute dtype: ``(d norm_input, dweight, dbias)`` (``dweight`` None without a
+    weight); the caller casts them to the input dtypes.
 
     ``dsum`` is the gradient arriving at the ``new_residual`` output; it is folded into the input gradient.
     The cast of the normalised row to the input dtype (``cast_before_weight`` modes) has an identity gradient, as in
@@ -76,7 +76,7 @@ def backward_reference(
         rstd = stats
     r = rstd.unsqueeze(-1)
     n = s * r
-    g = dy.to(compute) * (weight.to(compute) + m.weight_offset)
+    g = dy.to(compute) if weight is None else dy.to(compute) * (weight.to(compute) + m.weight_offset)
     dx = g - n * (g * n).mean(-1, keepdim=True)
     if m.centre:
         dx = dx - g.mean(-1, keepdim=True)
@@ -85,6 +85,6 @@ def backward_reference(
         dx = dx + dsum.to(compute)
     n_weighted = n.to(norm_input.dtype).to(compute) if m.cast_before_weight else n
     dy2 = dy.to(compute).reshape(-1, n_cols)
-    dweight = (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
+    dweight = None if weight is None else (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
     dbias = dy2.sum(0) if has_bias else None
     return dx, dweight, dbias

@@ -23,12 +23,14 @@ from torch import nn
 @dataclass(frozen=True)
 class NormKind:
     """A norm class and the numerics of its forward (the modes of ``hf_rmsnorm.ops.modes``). ``bias_attr`` names
-    an optional bias: the attribute must exist, its value may be None."""
+    an optional bias: the attribute must exist, its value may be None. ``weight_attr`` is None for a norm without
+    a weight (NanoChat's)."""
 
     class_path: str
     eps_attr: str = "variance_epsilon"
     mode: str = "llama"
     bias_attr: str | None = None
+    weight_attr: str | None = "weight"
 
 
 # nn.LayerNorm is everywhere, so it is never matched by class: a LayerNorm family's stack names the LayerNorms
@@ -72,7 +74,8 @@ class LayerKind:
     ``unsupported_if`` names instance attributes that, when present and truthy, mean the layer does more than
     this body (GPT-2's cross-attention, GPT-NeoX's parallel residual): such a layer keeps its own forward.
     ``requires`` names instance attributes that must be present and truthy (GPT-NeoX's parallel kind requires
-    ``use_parallel_residual``). A class may have several kinds; the patcher takes the first that fits.
+    ``use_parallel_residual``). ``mlp_returns_pair``: the mlp returns ``(states, router scores)`` and the layer
+    keeps the first (GPT-OSS). A class may have several kinds; the patcher takes the first that fits.
     """
 
     class_path: str
@@ -90,6 +93,7 @@ class LayerKind:
     requires: tuple[str, ...] = ()
     parallel: bool = False
     attention_input: str | None = "hidden_states"
+    mlp_returns_pair: bool = False
 
     def matches(self, params: tuple[str, ...]) -> bool:
         """Whether an installed forward's parameter names (after ``self``) are ``forward_params``, the cache
@@ -180,6 +184,26 @@ FAMILIES: tuple[Family, ...] = (
     _llama_shaped("Granite", "granite", "Granite", residual_scale="residual_multiplier"),
     # LayerNorm decoders. Their stacks name the LayerNorms on the residual stream, which run the fused LayerNorm
     # kernels; the layers of the ones shaped like a LayerKind also get their residual adds fused.
+    # Mixtral and GPT-OSS: Llama's layer body with their own parameter order (the body passes every argument on
+    # by name, so the order does not matter); GPT-OSS's MoE returns (states, router scores). Their models run the
+    # layers then the final norm. Their norms are Llama's code, also recognised by their numerics.
+    Family(
+        name="Mixtral",
+        norms=(NormKind(f"{_M}.mixtral.modeling_mixtral.MixtralRMSNorm"),),
+        layers=(LayerKind(f"{_M}.mixtral.modeling_mixtral.MixtralDecoderLayer", forward_params=(
+            "hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache")),),
+        stacks=(StackKind(f"{_M}.mixtral.modeling_mixtral.MixtralModel"),),
+    ),
+    Family(
+        name="GPT-OSS",
+        norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"),),
+        layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_returns_pair=True),),
+        stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
+    ),
+    # NanoChat: its layer is Llama's code and its norm (no weight) is recognised by its numerics
+    # (``recognition.py``); its model also runs the final norm once before the layers, on the embeddings, which
+    # no layer hands anything to, so the handoff of the last layer's sum to the final norm stays exact.
+    Family(name="NanoChat", stacks=(StackKind(f"{_M}.nanochat.modeling_nanochat.NanoChatModel"),)),
     Family(
         name="GPT-2",
         layers=(LayerKind(

@@ -81,13 +81,14 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None):
     hidden_states)`` from one kernel."""
     kind: NormKind = self._hf_rmsnorm_kind
     eps = getattr(self, kind.eps_attr)
+    weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
     if residual is not None:
-        return fused_add_rms_norm(hidden_states, residual, self.weight, eps, bias=bias, mode=kind.mode)
+        return fused_add_rms_norm(hidden_states, residual, weight, eps, bias=bias, mode=kind.mode)
     normed = handoff.take(self, hidden_states)
     if normed is not None:
         return normed
-    return rms_norm(hidden_states, self.weight, eps, bias=bias, mode=kind.mode)
+    return rms_norm(hidden_states, weight, eps, bias=bias, mode=kind.mode)
 
 
 def _stack_forward(self, *args, **kwargs):
@@ -116,6 +117,8 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     else:
         hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
     hidden_states = getattr(self, kind.mlp)(hidden_states)
+    if kind.mlp_returns_pair:
+        hidden_states, _ = hidden_states
 
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))

@@ -74,7 +74,8 @@ def target_of(layer: nn.Module, hidden_states: Tensor) -> NextNorm | None:
     if scope is None:
         return None
     target = scope.links.get(layer)
-    if target is None or target.norm.weight.device != hidden_states.device:
+    weight = None if target is None else getattr(target.norm, "weight", None)
+    if target is None or (isinstance(weight, Tensor) and weight.device != hidden_states.device):
         return None
     return None if _foreign_code_between(layer, target) else target
 

@@ -12,6 +12,7 @@ import inspect
 import types
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from ..ops import backend
@@ -19,6 +20,7 @@ from . import fused
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import LayerKind, NormKind, StackKind, registry
 from .handoff import NextNorm
+from .recognition import NormRecogniser, family_of, is_rms_norm_like, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
@@ -228,19 +230,36 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
         centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()), backend=_backend_of(root)
     )
     plan = _Plan(report, layernorms)
-    norms, layer_candidates, stacks = _plan_norms(root, reg, plan)
+    norms, layer_candidates, stacks, unknown_layers = _plan_norms(root, reg, plan)
     layers = _plan_layers(layer_candidates, norms, plan)
+    _report_unknown_layers(unknown_layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
     return plan
 
 
 def _plan_norms(root: nn.Module, reg, plan: _Plan):
     """Walks ``root`` once: plans the norm swaps, reports every norm-like module left alone, and returns the
-    patched norms (module -> name), the decoder layers and the layer stacks of known classes."""
+    patched norms (module -> name), the decoder layers and the layer stacks of known or recognised classes, and
+    the other decoder layers (``recognition.py`` explains what is recognised)."""
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[str, nn.Module, StackKind]] = []
+    unknown_layers: list[tuple[str, nn.Module]] = []
     layernorms = plan.layernorms
+    recogniser = NormRecogniser()
+    # The dtype a norm without a weight of its own is probed in.
+    model_dtype = getattr(root, "dtype", None) if isinstance(getattr(root, "dtype", None), torch.dtype) else None
+    model_dtype = model_dtype or next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
+
+    def add_norm(name: str, module: nn.Module, family: str, kind: NormKind) -> None:
+        norms[module] = name
+        plan.swaps.append((module, kind))
+        plan.report.norms.append(name)
+        if layernorms.converts(module):
+            plan.report.converted.append(name)
+        if family not in plan.report.families:
+            plan.report.families.append(family)
+
     for name, module in root.named_modules():
         cls = type(module)
         if fused.original_class(module) is not None:
@@ -253,21 +272,47 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or _instance_problem(module)
             if problem:
                 plan.report.skipped.append((name, problem))
-                continue
-            norms[module] = name
-            plan.swaps.append((module, kind))
-            plan.report.norms.append(name)
-            if layernorms.converts(module):
-                plan.report.converted.append(name)
-            if family not in plan.report.families:
-                plan.report.families.append(family)
+            else:
+                add_norm(name, module, family, kind)
+        elif is_rms_norm_like(module):
+            # Probed as its class's forward, so an inherited or replaced forward is judged by what it computes.
+            verdict = recogniser.verdict(module, model_dtype)
+            problem = verdict.reason if verdict.kind is None else _instance_problem(module)
+            if problem:
+                plan.report.skipped.append((name, problem))
+            else:
+                add_norm(name, module, family_of(cls), verdict.kind)
         elif _is_norm_like(module):
             plan.report.skipped.append((name, f"{_class_path(cls)} is not a norm of a supported family"))
         elif cls in reg.layers:
             layer_candidates.append((name, module, tuple(kind for _, kind in reg.layers[cls])))
         elif cls in reg.stacks:
             stacks.append((name, module, reg.stacks[cls][1]))
-    return norms, layer_candidates, stacks
+        elif cls.__name__.endswith(DECODER_LAYER_SUFFIXES):
+            kinds = recognised_layer_kinds(cls)
+            if kinds:
+                layer_candidates.append((name, module, tuple(kind for _, kind in kinds)))
+            else:
+                unknown_layers.append((name, module))
+        elif cls.__name__.endswith(STACK_SUFFIXES) and (recognised_stack := recognised_stack_kind(cls)):
+            stacks.append((name, module, recognised_stack[1]))
+    return norms, layer_candidates, stacks, unknown_layers
+
+
+# Class-name endings of the decoder layers and stacks looked at for recognition by code (``recognition.py``)
+# and, for layers, reported when their residual adds are not fused.
+DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
+STACK_SUFFIXES = ("Model", "Decoder")
+
+
+def _report_unknown_layers(unknown: list[tuple[str, nn.Module]], norms: dict[nn.Module, str], plan: _Plan) -> None:
+    """Reports the decoder layers of no known shape whose own norms were patched: their adds stay unfused."""
+    for name, layer in unknown:
+        if any(child in norms for child in layer.children()):
+            plan.report.skipped.append((
+                name, f"residual adds not fused: {_class_path(type(layer))} is not a decoder layer shape hf_rmsnorm "
+                "knows (its norms are patched)"
+            ))
 
 
 def _plan_layers(
@@ -367,8 +412,8 @@ def _class_problem(cls: type) -> str | None:
 
 def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     """Why ``norm`` lacks an attribute its kind's forward reads, if it does."""
-    if not isinstance(getattr(norm, "weight", None), Tensor):
-        return f"{type(norm).__name__} has no weight tensor"
+    if kind.weight_attr is not None and not isinstance(getattr(norm, kind.weight_attr, None), Tensor):
+        return f"{type(norm).__name__} has no {kind.weight_attr} tensor"
     if not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
         return f"{type(norm).__name__} has no numeric {kind.eps_attr}"
     if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, ()), (Tensor, type(None))):
