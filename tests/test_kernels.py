@@ -266,6 +266,39 @@ def test_the_pytorch_fallback_has_the_kernels_semantics(mode, dtype):
         assert _max_err(ours, ref) <= 4 * torch.finfo(ours.dtype).eps * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [7, 896, 20000])
+@pytest.mark.parametrize("mode", ["llama", "fp32_affine"])
+def test_a_norm_without_weight_matches_nanochat_and_fp64(mode, n_cols, dtype):
+    """weight=None (NanoChat's parameter-free RMSNorm): the output is the normalised row in every mode, equal to
+    NanoChat's module where the reduction order cannot matter (half precision), and forward and backward no less
+    accurate than it against fp64 (a looped row at 20000)."""
+    from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+
+    rows = _rows_for(n_cols)
+    x = _randn(rows, n_cols, dtype=dtype, seed=60).requires_grad_()
+    r = _randn(rows, n_cols, dtype=dtype, seed=61).requires_grad_()
+    y, s = fused_add_rms_norm(x, r, None, EPS, mode=mode)
+    assert torch.equal(s, r + x) and y.dtype == dtype
+    eager_x, eager_r = x.detach().requires_grad_(), r.detach().requires_grad_()
+    eager = NanoChatRMSNorm(eps=EPS)(eager_r + eager_x)
+    x64, r64 = x.detach().double().requires_grad_(), r.detach().double().requires_grad_()
+    s64 = r64 + x64
+    truth = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS)
+    if dtype != torch.float32:
+        _assert_within_a_rounding_of_eager(y, eager)
+    assert _max_err(y, truth) <= _max_err(eager, truth) + torch.finfo(dtype).eps * truth.abs().max().item()
+
+    dy = _randn(rows, n_cols, dtype=dtype, seed=62)
+    dsum = _randn(rows, n_cols, dtype=dtype, seed=63)
+    dx, dr = _grads((y, s), (x, r), (dy, dsum))
+    ex, er = _grads((eager, eager_r + eager_x), (eager_x, eager_r), (dy, dsum))
+    tx, tr = _grads((truth, s64), (x64, r64), (dy.double(), dsum.double()))
+    assert torch.equal(dx, dr)
+    tolerance = 4 * torch.finfo(dtype).eps * tx.abs().max().item()
+    assert _max_err(dx, tx) <= _max_err(ex, tx) + tolerance
+
+
 def test_llama_mode_with_bias_rounds_like_eager():
     x = _randn(4, 48, dtype=torch.bfloat16, seed=29)
     weight, bias = _randn(48, dtype=torch.bfloat16, seed=30), _randn(48, dtype=torch.bfloat16, seed=31)

@@ -212,7 +212,7 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
             "supported families: hf_rmsnorm.patch.family_names()"
         )
     hint = (
-        ", outside any supported decoder: post-LN encoders such as BERT are not supported"
+        ", outside a supported decoder (post-LN encoders such as BERT are not supported)"
         if has_layernorm and layernorm != "skip" else ""
     )
     raise UnsupportedModelError(
