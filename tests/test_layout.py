@@ -97,3 +97,14 @@ def test_the_backend_rule():
     assert not backend.runs_kernels(x.double())  # fp64 takes the PyTorch path
     assert not backend.runs_kernels(torch.ones(2, 4, device="meta"))
     assert "interpreter" in backend.describe("cpu") or not backend.kernels_interpreted()
+
+
+def test_the_interpreter_refuses_a_numpy_its_triton_cannot_run_with():
+    """Triton's interpreter before 3.7 breaks on NumPy 2.4+ in every loop with a runtime bound: one clear line."""
+    assert backend.interpreter_problem((3, 6), (2, 4)) == (
+        "Triton 3.6's CPU interpreter fails with NumPy 2.4 (NumPy >= 2.4 needs Triton >= 3.7): "
+        "pip install 'numpy<2.4', or a newer triton"
+    )
+    assert backend.interpreter_problem((3, 6), (2, 3)) is None
+    assert backend.interpreter_problem((3, 7), (2, 5)) is None
+    assert backend._version("2.4.0rc1") == (2, 4) and backend._version("3.10.0+git") == (3, 10)

@@ -71,8 +71,33 @@ def kernels_interpreted() -> bool:
 
 
 def _round_as_gpus_do() -> None:
+    problem = interpreter_problem(_version(triton_version()), _version(np.__version__))
+    if problem:
+        raise RuntimeError(problem)
     if not round_bf16_to_nearest_even():
         raise RuntimeError("this Triton version's interpreter cannot be made to round bf16 to nearest even")
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def interpreter_problem(triton: tuple[int, int], numpy: tuple[int, int]) -> str | None:
+    """Why Triton's interpreter cannot run the kernels with these versions, if it cannot: before Triton 3.7 it
+    breaks on NumPy 2.4 and later in every kernel loop with a runtime bound (the kernels have several)."""
+    if triton < (3, 7) and numpy >= (2, 4):
+        return (
+            f"Triton {triton[0]}.{triton[1]}'s CPU interpreter fails with NumPy {numpy[0]}.{numpy[1]} (NumPy >= 2.4 "
+            "needs Triton >= 3.7): pip install 'numpy<2.4', or a newer triton"
+        )
+    return None
 
 
 def runs_kernels(*tensors: torch.Tensor | None) -> bool:
