@@ -23,18 +23,17 @@ FAMILIES = {
     "qwen3_5_text": (HYBRID, 7, 0),
     "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, 0),
     "nanochat": ({}, 9, 4),
-    "gemma": ({}, 5, 2),
+    "gemma": ({}, 5, 4),
     "gemma2": (dict(sliding_window=4), 9, 0),
     "gemma3_text": (dict(sliding_window=4), 13, 0),
     "olmo2": ({}, 9, 0),
     "olmo3": ({}, 9, 0),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
     "exaone4": ({}, 9, 0),
-    # Multi-head latent attention: the rotary part of a head is head_dim. Its model's forward is Llama's code in
-    # transformers 5.17 (4 adds fused) but not in 5.24 (2).
+    # Multi-head latent attention: the rotary part of a head is head_dim.
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
-                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8, first_k_dense_replace=1,
-                         n_group=1, topk_group=1, num_key_value_heads=4), 9, (2, 4)),
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4), 9, 4),
 }
 # The casting mode each family's norms are recognised in (docs/numerics.md's table).
 MODES = {"qwen3_next": "gemma", "qwen3_5_text": "gemma", "gemma3_text": "gemma", "olmo3": "fp32_affine",
@@ -57,8 +56,7 @@ def test_recognised_families_patch_with_parity(model_type):
     eager16 = _logits(bf16, ids)
 
     report = patch_model(model)
-    assert len(report.norms) == n_norms and len(report.fused_adds) in (n_adds if isinstance(n_adds, tuple)
-                                                                      else (n_adds,)), str(report)
+    assert (len(report.norms), len(report.fused_adds)) == (n_norms, n_adds), str(report)
     if model_type in MODES:
         modes = {type(m)._hf_rmsnorm_kind.mode for name, m in model.named_modules() if name in report.norms}
         assert modes == {MODES[model_type]}
@@ -111,7 +109,7 @@ def _tiny_multimodal(model_type: str):
     return AutoModelForImageTextToText.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 0), ("qwen3_vl", 0), ("gemma3", 0)])
+@pytest.mark.parametrize("model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("gemma3", 0)])
 def test_multimodal_models_get_their_language_model_patched(model_type, fused):
     """The language model inside a vision-language model is patched with parity; the vision tower's norms are
     patched where recognised and otherwise skipped with the reason, never an error."""

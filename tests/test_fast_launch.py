@@ -33,8 +33,8 @@ def test_equal_keys_mean_equal_triton_specialisations():
     specialises them identically: a cached kernel is the one Triton would pick."""
     binder = _triton_binder()
     base = torch.empty(4096 + 64, dtype=torch.bfloat16)
-    flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, CAST_BEFORE_WEIGHT=True, WEIGHT_OFFSET=0.0, CENTER=False,
-                 BLOCK_M=1, BLOCK_N=4096, SINGLE_TILE=True)
+    flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, CAST_BEFORE_WEIGHT=True, WEIGHT_OFFSET=0.0,
+                 CENTER=False, BLOCK_M=1, BLOCK_N=4096, SINGLE_TILE=True)
     seen: dict[tuple, object] = {}
     for offset, dtype, n_rows, stride, eps in itertools.product(
         (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16), (4096, 4104), (1e-6, 1e-5)

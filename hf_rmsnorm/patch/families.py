@@ -200,6 +200,24 @@ FAMILIES: tuple[Family, ...] = (
         layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_returns_pair=True),),
         stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
     ),
+    # Models whose layers are Llama's code (recognised by it), with a model forward that differs from Llama's only
+    # outside the loop (Gemma scales the embeddings, DeepSeek-V3 and Qwen2.5-VL build their masks and positions
+    # differently) and runs the layers then the final norm.
+    Family(name="Gemma", stacks=(StackKind(f"{_M}.gemma.modeling_gemma.GemmaModel"),)),
+    Family(name="DeepSeek-V3", stacks=(StackKind(f"{_M}.deepseek_v3.modeling_deepseek_v3.DeepseekV3Model"),)),
+    # Qwen2.5-VL's and Qwen3-VL's language models: Llama's layer body (Qwen2.5-VL's differs only in an
+    # annotation, Qwen3-VL's in its parameter order). Qwen3-VL's model adds visual features to the hidden state
+    # between layers (deepstack), so its adds across layers are not fused.
+    Family(
+        name="Qwen2.5-VL",
+        layers=(LayerKind(f"{_M}.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLDecoderLayer"),),
+        stacks=(StackKind(f"{_M}.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLTextModel"),),
+    ),
+    Family(
+        name="Qwen3-VL",
+        layers=(LayerKind(f"{_M}.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextDecoderLayer", forward_params=(
+            "hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache", "use_cache")),),
+    ),
     # NanoChat: its layer is Llama's code and its norm (no weight) is recognised by its numerics
     # (``recognition.py``); its model also runs the final norm once before the layers, on the embeddings, which
     # no layer hands anything to, so the handoff of the last layer's sum to the final norm stays exact.
