@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "rms_norm": "hf_rmsnorm.ops",
     "fused_add_rms_norm": "hf_rmsnorm.ops",
+    "rms_norm_add": "hf_rmsnorm.ops",
     "patch_model": "hf_rmsnorm.patch",
     "unpatch_model": "hf_rmsnorm.patch",
     "check_model": "hf_rmsnorm.patch",
@@ -28,7 +29,7 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from .ops import fused_add_rms_norm, rms_norm
+    from .ops import fused_add_rms_norm, rms_norm, rms_norm_add
     from .patch import (
         PatchReport,
         UnconvertibleModelError,

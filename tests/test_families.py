@@ -26,10 +26,10 @@ FAMILIES = {
     "gemma": ({}, 5, 4),
     "gemma2": (dict(sliding_window=4), 9, 0),
     "gemma3_text": (dict(sliding_window=4), 13, 0),
-    "olmo2": ({}, 9, 0),
-    "olmo3": ({}, 9, 0),
+    "olmo2": ({}, 9, 4),
+    "olmo3": ({}, 9, 4),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
-    "exaone4": ({}, 9, 0),
+    "exaone4": ({}, 9, 4),
     # Multi-head latent attention: the rotary part of a head is head_dim.
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,

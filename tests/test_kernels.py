@@ -11,7 +11,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from hf_rmsnorm import fused_add_rms_norm, rms_norm
+from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import reference
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
@@ -297,6 +297,43 @@ def test_a_norm_without_weight_matches_nanochat_and_fp64(mode, n_cols, dtype):
     assert torch.equal(dx, dr)
     tolerance = 4 * torch.finfo(dtype).eps * tx.abs().max().item()
     assert _max_err(dx, tx) <= _max_err(ex, tx) + tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [7, 896, 20000])
+@pytest.mark.parametrize("mode,hf_class", [("fp32_affine", Olmo2RMSNorm), ("llama", LlamaRMSNorm)])
+def test_post_norm_add_matches_eager_and_fp64(mode, hf_class, n_cols, dtype):
+    """rms_norm_add = residual + norm(x) (OLMo2's post-norm layers) in one kernel: the norm's output rounded to
+    its dtype, then the add rounded as torch rounds it; gradients no less accurate than eager's against fp64."""
+    rows = _rows_for(n_cols)
+    weight = _randn(n_cols, dtype=dtype, scale=0.3, seed=70) + 1
+    x = _randn(rows, n_cols, dtype=dtype, seed=71).requires_grad_()
+    r = _randn(rows, n_cols, dtype=dtype, seed=72).requires_grad_()
+    w = weight.clone().requires_grad_()
+    out = rms_norm_add(x, r, w, EPS, mode=mode)
+    module = _hf_module(hf_class, weight)
+    ex, er = x.detach().requires_grad_(), r.detach().requires_grad_()
+    eager = er + module(ex)
+    assert out.dtype == eager.dtype
+    if dtype != torch.float32:
+        _assert_within_a_rounding_of_eager(out, eager)
+    x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, weight))
+    truth = r64 + _fp64_reference(x64, None, w64)
+    assert _max_err(out, truth) <= _max_err(eager, truth) + torch.finfo(dtype).eps * truth.abs().max().item()
+
+    d = _randn(rows, n_cols, dtype=dtype, seed=73)
+    ours = _grads(out, (x, r, w), (d,))
+    theirs = _grads(eager, (ex, er, module.weight), (d,))
+    exact = _grads(truth, (x64, r64, w64), (d.double(),))
+    assert torch.equal(ours[1], d)  # the residual's gradient is the output's
+    for a, b, t in zip(ours, theirs, exact):
+        assert _max_err(a, t) <= _max_err(b, t) + 4 * torch.finfo(dtype).eps * t.abs().max().item()
+
+
+def test_post_norm_add_op_passes_opcheck():
+    x, r = _randn(3, 40, seed=74).requires_grad_(), _randn(3, 40, seed=75).requires_grad_()
+    weight = _randn(40, seed=76).requires_grad_()
+    torch.library.opcheck(torch.ops.hf_rmsnorm.rms_norm_add_fwd, (x, r, weight, None, EPS, "fp32_affine"))
 
 
 def test_llama_mode_with_bias_rounds_like_eager():

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 from .modes import MODES
 
 if TYPE_CHECKING:
-    from .functional import fused_add_rms_norm, rms_norm
+    from .functional import fused_add_rms_norm, rms_norm, rms_norm_add
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "MODES"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_add", "MODES"]
 
 
 def __getattr__(name: str):
-    if name in ("rms_norm", "fused_add_rms_norm"):
+    if name in ("rms_norm", "fused_add_rms_norm", "rms_norm_add"):
         return getattr(importlib.import_module(".functional", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

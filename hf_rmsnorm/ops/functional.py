@@ -73,6 +73,31 @@ def _(x, residual, weight, bias, eps, mode):
     return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
+def _rms_norm_add_impl(
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
+) -> tuple[Tensor, Tensor]:
+    """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
+    then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
+    check_forward(x, residual, weight, bias, eps)
+    if runs_kernels(x, residual, weight, bias):
+        if get_mode(mode).output_dtype(x.dtype, weight, bias) == residual.dtype:
+            out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual)
+            return out, stats
+        y, _, stats = norm_forward(x, None, weight, bias, eps, mode)
+    else:
+        y, _, stats = reference.forward_reference(x, None, weight, bias, eps, mode)
+    return residual + y, stats
+
+
+_rms_norm_add_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_add_fwd", mutates_args=())(_rms_norm_add_impl)
+
+
+@_rms_norm_add_fwd.register_fake
+def _(x, residual, weight, bias, eps, mode):
+    y, _, stats = _fake_forward(x, None, weight, bias, eps, mode)
+    return residual.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, y.dtype)), stats
+
+
 def _rms_norm_bwd_impl(
     dy: Tensor,
     dsum: Tensor | None,
@@ -165,7 +190,24 @@ def _add_rms_norm_backward(ctx, dy, dsum, _drstd):
     return dx, (dx if dres_dtype is None else dres), dweight, dbias, None, None
 
 
+def _rms_norm_add_setup(ctx, inputs, output):
+    x, residual, weight, bias, _eps, mode = inputs
+    _save_common(ctx, x, output[1], weight, bias, mode)
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype
+
+
+def _rms_norm_add_backward(ctx, dout, _dstats):
+    # The residual's gradient is the output's; the norm's output gradient is the output's too.
+    dx, _, dweight, dbias = _backward(ctx, dout, None, ctx.x_dtype, None)
+    dres = None if dout is None else dout.to(ctx.res_dtype)
+    return dx, dres, dweight, dbias, None, None
+
+
 torch.library.register_autograd("hf_rmsnorm::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup)
+torch.library.register_autograd(
+    "hf_rmsnorm::rms_norm_add_fwd", _rms_norm_add_backward, setup_context=_rms_norm_add_setup
+)
 torch.library.register_autograd(
     "hf_rmsnorm::add_rms_norm_fwd", _add_rms_norm_backward, setup_context=_add_rms_norm_setup
 )
@@ -194,6 +236,9 @@ def _autograd_function(name: str, impl, setup, backward) -> type:
 _RmsNormFunction = _autograd_function("_RmsNormFunction", _rms_norm_impl, _rms_norm_setup, _rms_norm_backward)
 _AddRmsNormFunction = _autograd_function(
     "_AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup, _add_rms_norm_backward
+)
+_RmsNormAddFunction = _autograd_function(
+    "_RmsNormAddFunction", _rms_norm_add_impl, _rms_norm_add_setup, _rms_norm_add_backward
 )
 
 
@@ -263,3 +308,32 @@ def fused_add_rms_norm(
     else:
         y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode)
     return y, new_residual
+
+
+def rms_norm_add(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    eps: float = 1e-6,
+    *,
+    bias: Tensor | None = None,
+    mode: str = "llama",
+) -> Tensor:
+    """``residual + rms_norm(x)`` in one pass over memory: the add of a post-norm layer (OLMo2's
+    ``residual + post_attention_layernorm(attention)``).
+
+    The norm's output is rounded to its dtype before the add, and the add rounds as ``residual + y`` does in
+    torch. One kernel when the norm's output dtype is the residual's (the usual case); otherwise the norm's
+    kernel and torch's add.
+
+    Raises:
+        TypeError, ValueError: as ``fused_add_rms_norm``.
+    """
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_rmsnorm.rms_norm_add_fwd(x, residual, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, residual, weight, bias):
+        return _RmsNormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
+    return _rms_norm_add_impl(x, residual, weight, bias, eps, mode)[0]
+

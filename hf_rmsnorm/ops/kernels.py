@@ -52,13 +52,14 @@ def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL:
 
 @triton.jit
 def _scale_and_store(
-    s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
+    s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
     NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr,
 ):
     """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
-    weight ``y = norm(s) (+ b)`` in every mode. ``runtime_one`` is 1.0, computed from a kernel argument so that
-    the compiler cannot see it (see below)."""
+    weight ``y = norm(s) (+ b)`` in every mode. With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
+    ``y`` is rounded to ``Y``'s dtype and the residual tile added, rounded as torch rounds the add.
+    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below)."""
     y = s * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -76,6 +77,10 @@ def _scale_and_store(
             # which skips that rounding; multiplying by an opaque 1.0 is exact and keeps it.
             y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one
         y = y + b[None, :]
+    if ADD_AFTER:
+        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The opaque 1.0 again: without it a rounded product and this add could become one half-precision FMA.
+        y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one + r
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -87,10 +92,12 @@ def norm_fwd_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
 ):
-    """One program normalises ``BLOCK_M`` rows. ``SUM_OUT`` is the residual sum (unused without residual);
-    ``RSTD`` holds ``rstd`` for every row, followed by the row means when ``CENTER``."""
+    """One program normalises ``BLOCK_M`` rows. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
+    layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
+    the residual sum (unused without residual); ``RSTD`` holds ``rstd`` for every row, followed by the row means
+    when ``CENTER``."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
     runtime_one = eps * 0.0 + 1.0  # eps is finite (checked on the host); the compiler cannot fold this
@@ -115,8 +122,8 @@ def norm_fwd_kernel(
             mean += correction
             s = tl.where(mask, s - correction[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
-        _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
-                         NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+        _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, ADD_AFTER)
     else:
         # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -157,8 +164,8 @@ def norm_fwd_kernel(
             s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL)
             if CENTER:
                 s = s - mean[:, None]
-            _scale_and_store(s, rstd, W, B, Y, rows, cols, col_mask, mask, stride_y, runtime_one,
-                             NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET)
+            _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
+                             runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, ADD_AFTER)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     if CENTER:
         tl.store(RSTD + n_rows + rows, mean, mask=row_mask)

@@ -106,9 +106,11 @@ def norm_forward(
     bias: torch.Tensor | None,
     eps: float,
     mode: str,
+    residual_after: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Runs the forward kernel. Returns ``(y, residual + x or None, stats)``: fp32 ``rstd`` of shape
-    ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode."""
+    ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode. With ``residual_after`` (of ``x``'s
+    shape and of the norm's output dtype; ``residual`` then None), ``y`` is ``residual_after + norm(x)``."""
     m = get_mode(mode)
     shape = x.shape
     n_cols = shape[-1]
@@ -121,7 +123,8 @@ def norm_forward(
         return y, new_residual, stats
 
     x2, stride_x = _as_rows(x, n_cols)
-    r2, stride_r = (x2, stride_x) if residual is None else _as_rows(residual, n_cols)
+    added = residual if residual_after is None else residual_after
+    r2, stride_r = (x2, stride_x) if added is None else _as_rows(added, n_cols)
     # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
     # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
     weight = None if weight is None else weight.contiguous()
@@ -137,7 +140,7 @@ def norm_forward(
              eps),
             dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
                  **m.kernel_flags,
-                 BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
+                 BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile, ADD_AFTER=residual_after is not None),
             num_warps,
         )
     return y, new_residual, stats

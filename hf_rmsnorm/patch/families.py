@@ -57,6 +57,12 @@ class LayerKind:
         residual = h; h = post_attention_norm(h); h = mlp(h)
         return residual + mlp_dropout(h) * residual_scale
 
+    or, with ``post_norm`` (OLMo2, OLMo3, Exaone4: the norms read the branch outputs, not the stream)::
+
+        residual = h; h, _ = attention(hidden_states=h, **every other argument)
+        h = residual + post_attention_norm(h)
+        residual = h; return residual + post_mlp_norm(mlp(h))
+
     or, with ``parallel`` (GPT-J, Phi, GPT-NeoX's parallel residual: both branches read the same ``h``)::
 
         normed = input_norm(h); a, _ = attention(hidden_states=normed, **every other argument)
@@ -94,6 +100,8 @@ class LayerKind:
     parallel: bool = False
     attention_input: str | None = "hidden_states"
     mlp_returns_pair: bool = False
+    post_norm: bool = False
+    post_mlp_norm: str | None = None
 
     def matches(self, params: tuple[str, ...]) -> bool:
         """Whether an installed forward's parameter names (after ``self``) are ``forward_params``, the cache
@@ -105,6 +113,14 @@ class LayerKind:
             raise ValueError("a parallel LayerKind has no residual_scale")
         if not self.parallel and self.post_attention_norm is None:
             raise ValueError("a sequential LayerKind needs its post_attention_norm")
+        if self.post_norm and (self.input_norm is not None or self.post_mlp_norm is None or self.parallel
+                               or self.residual_scale or self.attention_dropout or self.mlp_dropout):
+            raise ValueError("a post-norm LayerKind has a post_mlp_norm and no input_norm, dropouts or scale")
+
+    @property
+    def norms(self) -> tuple[str, ...]:
+        """The attribute names of the layer's norms."""
+        return tuple(n for n in (self.input_norm, self.post_attention_norm, self.post_mlp_norm) if n is not None)
 
 
 @dataclass(frozen=True)
@@ -199,6 +215,13 @@ FAMILIES: tuple[Family, ...] = (
         norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"),),
         layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_returns_pair=True),),
         stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
+    ),
+    # Post-norm layers (OLMo3's and Exaone4's are the same code, recognised by it); the models of these families
+    # end their layers with a norm of the branch, so nothing is fused across layers.
+    Family(
+        name="OLMo2",
+        layers=(LayerKind(f"{_M}.olmo2.modeling_olmo2.Olmo2DecoderLayer", input_norm=None, post_norm=True,
+                          post_mlp_norm="post_feedforward_layernorm"),),
     ),
     # Models whose layers are Llama's code (recognised by it), with a model forward that differs from Llama's only
     # outside the loop (Gemma scales the embeddings, DeepSeek-V3 and Qwen2.5-VL build their masks and positions

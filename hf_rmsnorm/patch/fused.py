@@ -15,7 +15,7 @@ import inspect
 
 from torch import Tensor, nn
 
-from ..ops import fused_add_rms_norm, rms_norm
+from ..ops import fused_add_rms_norm, rms_norm, rms_norm_add
 from . import handoff
 from .families import LayerKind, NormKind, StackKind
 
@@ -42,7 +42,10 @@ def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
             # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
             namespace.update(forward=_stack_forward, _hf_rmsnorm_checked_forward=staticmethod(base.forward))
         else:
-            namespace["forward"] = _parallel_layer_forward if kind.parallel else _layer_forward
+            namespace["forward"] = (
+                _parallel_layer_forward if kind.parallel else _post_norm_layer_forward if kind.post_norm
+                else _layer_forward
+            )
             # The original's own argument names (the cache one changed across transformers releases): positional
             # arguments go on to the attention under these, as the original passes them.
             namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
@@ -76,13 +79,15 @@ def _new_fused(base: type, kind: NormKind | LayerKind | StackKind) -> nn.Module:
     return cls.__new__(cls)
 
 
-def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None):
-    """``norm(hidden_states)``, or with ``residual`` the pair ``(norm(residual + hidden_states), residual +
-    hidden_states)`` from one kernel."""
+def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *, add_to: Tensor | None = None):
+    """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +
+    hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
     kind: NormKind = self._hf_rmsnorm_kind
     eps = getattr(self, kind.eps_attr)
     weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
+    if add_to is not None:
+        return rms_norm_add(hidden_states, add_to, weight, eps, bias=bias, mode=kind.mode)
     if residual is not None:
         return fused_add_rms_norm(hidden_states, residual, weight, eps, bias=bias, mode=kind.mode)
     normed = handoff.take(self, hidden_states)
@@ -123,6 +128,16 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
     return _add_residual(self, _scaled(self, kind, hidden_states), residual)
+
+
+def _post_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The post-norm decoder layer of ``LayerKind`` (OLMo2): each branch's norm and the residual add after it in
+    one kernel."""
+    kind: LayerKind = self._hf_rmsnorm_kind
+    residual = hidden_states
+    hidden_states = _attend(self, kind, hidden_states, args, kwargs)
+    hidden_states = getattr(self, kind.post_attention_norm)(hidden_states, add_to=residual)
+    return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(hidden_states), add_to=hidden_states)
 
 
 def _parallel_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:

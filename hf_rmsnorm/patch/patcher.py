@@ -338,6 +338,8 @@ def _plan_layers(
                 f"{name}: attention residual -> {norms[getattr(layer, kind.post_attention_norm)]}"
                 + _while_inactive(kind.attention_dropout)
             )
+        if kind.post_norm:
+            plan.report.fused_adds.append(f"{name}: mlp residual -> {norms[getattr(layer, kind.post_mlp_norm)]}")
     return layers
 
 
@@ -380,11 +382,12 @@ def _stack_links(
         return {}
     links = {}
     for i, layer in enumerate(layer_list):
-        if layer not in layers:
+        # A post-norm layer's adds are fused inside it, and the next layer does not begin with a norm.
+        if layer not in layers or layers[layer][1].post_norm:
             continue
         if i + 1 < len(layer_list):
             consumer = layer_list[i + 1]
-            if consumer not in layers:
+            if consumer not in layers or layers[consumer][1].input_norm is None:
                 continue
             norm = getattr(consumer, layers[consumer][1].input_norm)
         elif final_norm in norms:
@@ -440,8 +443,8 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
         names
     ) + 1:
         return f"forward({', '.join(str(p) for p in params)}) is not the signature this transformers family had"
-    for attr in (kind.input_norm, kind.post_attention_norm):
-        if attr is not None and getattr(layer, attr, None) not in norms:
+    for attr in kind.norms:
+        if getattr(layer, attr, None) not in norms:
             return f"{attr} is a {type(getattr(layer, attr, None)).__name__}, not a patched norm"
     for attr in (kind.attention, kind.mlp):
         if not isinstance(getattr(layer, attr, None), nn.Module):
