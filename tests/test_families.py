@@ -1,15 +1,21 @@
 """The families the kernels reach through recognition (``hf_rmsnorm.patch.recognition``) and the newer registry
-entries: every Llama, Mistral and Qwen generation, NanoChat, Gemma, OLMo, GPT-OSS, Exaone4, each a tiny random
-model of transformers' own classes, patched and compared with its eager self and with an fp64 copy."""
+entries (MoE, post-norm and hybrid layers): every Llama, Mistral and Qwen generation, NanoChat, Gemma, OLMo,
+GPT-OSS, Exaone4, DeepSeek-V3, each a tiny random model of transformers' own classes, patched and compared with
+its eager self and with an fp64 copy."""
 
 import copy
+import inspect
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from patch_models import input_ids, tiny_model
 
 from hf_rmsnorm import patch_model, unpatch_model
 
+# Before transformers 5.24 a hybrid layer renames its cache argument for the linear attention
+# (cache_params=past_key_values): those layers keep their own forward, the attention layers are still fused.
+HYBRID_ADDS = 4 if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else 2
 HYBRID = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
               layer_types=["linear_attention", "full_attention"])
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -19,9 +25,9 @@ FAMILIES = {
     "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
     "ministral3": ({}, 5, 4),
     "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128), 5, 0),
-    "qwen3_next": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, 0),
-    "qwen3_5_text": (HYBRID, 7, 0),
-    "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, 0),
+    "qwen3_next": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
+    "qwen3_5_text": (HYBRID, 7, HYBRID_ADDS),
+    "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
     "nanochat": ({}, 9, 4),
     "gemma": ({}, 5, 4),
     "gemma2": (dict(sliding_window=4), 9, 0),
@@ -77,6 +83,21 @@ def test_recognised_families_patch_with_parity(model_type):
 
     unpatch_model(model)
     assert (_logits(model, ids) - eager32).abs().max().item() == 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "olmo2", "nanochat", "mixtral", "gpt_oss"])
+def test_generation_with_a_cache_is_unchanged(model_type):
+    """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies
+    pass every argument on as the originals do, prefill and decode; fp32 tokens identical to the eager model's."""
+    overrides = FAMILIES[model_type][0]
+    model = tiny_model(model_type, **overrides)
+    ids = input_ids()
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+        patch_model(model)
+        patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+    assert torch.equal(patched, eager)
 
 
 def test_a_weightless_norm_keeps_the_state_dict_and_trains():

@@ -10,6 +10,7 @@ from hf_rmsnorm import fused_add_rms_norm
 from hf_rmsnorm.ops import launch
 from hf_rmsnorm.ops.fast_launch import _arg_key
 from hf_rmsnorm.ops.kernels import norm_fwd_kernel
+from hf_rmsnorm.tools.kernel_inspect import capture_launch
 
 
 def _triton_binder():
@@ -33,8 +34,9 @@ def test_equal_keys_mean_equal_triton_specialisations():
     specialises them identically: a cached kernel is the one Triton would pick."""
     binder = _triton_binder()
     base = torch.empty(4096 + 64, dtype=torch.bfloat16)
-    flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=False, CAST_BEFORE_WEIGHT=True, WEIGHT_OFFSET=0.0,
-                 CENTER=False, BLOCK_M=1, BLOCK_N=4096, SINGLE_TILE=True)
+    # The constexprs launch.py passes for a fused add at width 4096 (captured, so the test follows the kernel).
+    _, _, flags = capture_launch("fwd+res", torch.bfloat16, 4096, 1, "llama", sm_count=132)
+    flags = {name: value for name, value in flags.items() if name != "num_warps"}
     seen: dict[tuple, object] = {}
     for offset, dtype, n_rows, stride, eps in itertools.product(
         (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16), (4096, 4104), (1e-6, 1e-5)

@@ -123,7 +123,8 @@ def norm_fwd_kernel(
             s = tl.where(mask, s - correction[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
         _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, ADD_AFTER)
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                         ADD_AFTER)
     else:
         # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -165,7 +166,8 @@ def norm_fwd_kernel(
             if CENTER:
                 s = s - mean[:, None]
             _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                             runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, ADD_AFTER)
+                             runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                             ADD_AFTER)
     tl.store(RSTD + rows, rstd, mask=row_mask)
     if CENTER:
         tl.store(RSTD + n_rows + rows, mean, mask=row_mask)

@@ -48,6 +48,21 @@ CACHE_PARAM_SPELLINGS = (CACHE_PARAM, "past_key_values")
 
 
 @dataclass(frozen=True)
+class TokenMixer:
+    """One token mixer of a hybrid layer: the module at ``attribute`` runs when the layer's switch attribute is
+    ``switch_value``; the layer passes it every argument but ``dropped_args``; ``returns_pair``: it returns
+    ``(states, attention weights)``. ``takes_cache_by_name``: the mixer's forward must have a parameter named as
+    the layer's cache argument (transformers before 5.24 renamed it on the way, ``cache_params=past_key_values``,
+    which a body passing arguments on by name would not do: such a layer keeps its own forward)."""
+
+    switch_value: str
+    attribute: str
+    dropped_args: tuple[str, ...] = ()
+    returns_pair: bool = True
+    takes_cache_by_name: bool = False
+
+
+@dataclass(frozen=True)
 class LayerKind:
     """A pre-norm decoder layer whose forward is, with the attribute names below (an attribute set to None is
     absent: no dropout, no scale)::
@@ -80,8 +95,11 @@ class LayerKind:
     ``unsupported_if`` names instance attributes that, when present and truthy, mean the layer does more than
     this body (GPT-2's cross-attention, GPT-NeoX's parallel residual): such a layer keeps its own forward.
     ``requires`` names instance attributes that must be present and truthy (GPT-NeoX's parallel kind requires
-    ``use_parallel_residual``). ``mlp_returns_pair``: the mlp returns ``(states, router scores)`` and the layer
-    keeps the first (GPT-OSS). A class may have several kinds; the patcher takes the first that fits.
+    ``use_parallel_residual``). ``mlp_output``: ``"tensor"``; ``"pair"`` when the mlp returns ``(states, router
+    scores)`` and the layer keeps the first (GPT-OSS); ``"pair if tuple"`` when the layer unpacks only a tuple
+    (Qwen3-Next's MoE and dense layers share a body). A hybrid layer (Qwen3-Next, Qwen3.5) picks its token mixer
+    by the instance attribute ``mixer_switch`` among ``mixers``, instead of ``attention``. A class may have
+    several kinds; the patcher takes the first that fits.
     """
 
     class_path: str
@@ -99,9 +117,11 @@ class LayerKind:
     requires: tuple[str, ...] = ()
     parallel: bool = False
     attention_input: str | None = "hidden_states"
-    mlp_returns_pair: bool = False
+    mlp_output: str = "tensor"
     post_norm: bool = False
     post_mlp_norm: str | None = None
+    mixer_switch: str | None = None
+    mixers: tuple[TokenMixer, ...] = ()
 
     def matches(self, params: tuple[str, ...]) -> bool:
         """Whether an installed forward's parameter names (after ``self``) are ``forward_params``, the cache
@@ -113,9 +133,15 @@ class LayerKind:
             raise ValueError("a parallel LayerKind has no residual_scale")
         if not self.parallel and self.post_attention_norm is None:
             raise ValueError("a sequential LayerKind needs its post_attention_norm")
+        if self.mlp_output not in ("tensor", "pair", "pair if tuple"):
+            raise ValueError(f"unknown mlp_output {self.mlp_output!r}")
         if self.post_norm and (self.input_norm is not None or self.post_mlp_norm is None or self.parallel
                                or self.residual_scale or self.attention_dropout or self.mlp_dropout):
             raise ValueError("a post-norm LayerKind has a post_mlp_norm and no input_norm, dropouts or scale")
+
+    def mixer_for(self, switch_value: object) -> TokenMixer | None:
+        """The token mixer a hybrid layer runs for ``switch_value``, None for an unknown value."""
+        return next((m for m in self.mixers if m.switch_value == switch_value), None)
 
     @property
     def norms(self) -> tuple[str, ...]:
@@ -184,6 +210,27 @@ def _llama_shaped(
     )
 
 
+_HYBRID_MIXERS = (
+    TokenMixer("linear_attention", "linear_attn", dropped_args=("position_embeddings", "position_ids"),
+               returns_pair=False, takes_cache_by_name=True),
+    TokenMixer("full_attention", "self_attn"),
+)
+
+
+def _hybrid(name: str, package: str, prefix: str, model: str, mlp_output: str) -> Family:
+    """A hybrid family laid out like Qwen3-Next: ``<prefix>DecoderLayer`` and ``model`` in
+    ``transformers.models.<package>.modeling_<package>``; its norms are recognised by their numerics."""
+    module = f"{_M}.{package}.modeling_{package}"
+    return Family(
+        name=name,
+        layers=(LayerKind(
+            f"{module}.{prefix}DecoderLayer", mixer_switch="block_type", mixers=_HYBRID_MIXERS, mlp_output=mlp_output,
+            forward_params=("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
+        ),),
+        stacks=(StackKind(f"{module}.{model}"),),
+    )
+
+
 # Each entry was checked against transformers' source: the norm's forward is LlamaRMSNorm's, the layer's is the
 # LayerKind body, and the model runs its layers then the final norm. Qwen3's q_norm / k_norm are Qwen3RMSNorm
 # instances inside the attention, matched by class like the others.
@@ -213,9 +260,15 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="GPT-OSS",
         norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"),),
-        layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_returns_pair=True),),
+        layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_output="pair"),),
         stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
     ),
+    # Hybrid stacks: linear-attention and attention layers share the residual stream; each layer runs one token
+    # mixer, chosen by its block_type (the linear one is not given the rotary arguments and returns one tensor).
+    # Their gated norms (inside the linear attention) take a second argument and stay unpatched, with the reason.
+    _hybrid("Qwen3-Next", "qwen3_next", "Qwen3Next", "Qwen3NextModel", "pair if tuple"),
+    _hybrid("Qwen3.5", "qwen3_5", "Qwen3_5", "Qwen3_5TextModel", "tensor"),
+    _hybrid("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeTextModel", "pair if tuple"),
     # Post-norm layers (OLMo3's and Exaone4's are the same code, recognised by it); the models of these families
     # end their layers with a norm of the branch, so nothing is fused across layers.
     Family(

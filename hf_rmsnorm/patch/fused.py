@@ -122,7 +122,7 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     else:
         hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
     hidden_states = getattr(self, kind.mlp)(hidden_states)
-    if kind.mlp_returns_pair:
+    if kind.mlp_output == "pair" or (kind.mlp_output == "pair if tuple" and isinstance(hidden_states, tuple)):
         hidden_states, _ = hidden_states
 
     if _dropout_active(self, kind.mlp_dropout):
@@ -163,11 +163,19 @@ def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwar
         if len(args) > len(names):
             raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
         kwargs.update(zip(names, args))
-    attention = getattr(layer, kind.attention)
+    name, returns_pair = kind.attention, True
+    if kind.mixer_switch is not None:  # a hybrid layer: the token mixer its switch names (checked when patching)
+        mixer = kind.mixer_for(getattr(layer, kind.mixer_switch))
+        name, returns_pair = mixer.attribute, mixer.returns_pair
+        for arg in mixer.dropped_args:
+            kwargs.pop(arg, None)
+    attention = getattr(layer, name)
     if kind.attention_input is None:
-        output, _ = attention(normed, **kwargs)
+        output = attention(normed, **kwargs)
     else:
-        output, _ = attention(**{kind.attention_input: normed}, **kwargs)
+        output = attention(**{kind.attention_input: normed}, **kwargs)
+    if returns_pair:
+        output, _ = output
     return output
 
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..ops import backend
 from . import fused
 from .conversion import LayerNormPlan, plan_layernorms
-from .families import LayerKind, NormKind, StackKind, registry
+from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry
 from .handoff import NextNorm
 from .recognition import NormRecogniser, family_of, is_rms_norm_like, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
@@ -446,7 +446,18 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
     for attr in kind.norms:
         if getattr(layer, attr, None) not in norms:
             return f"{attr} is a {type(getattr(layer, attr, None)).__name__}, not a patched norm"
-    for attr in (kind.attention, kind.mlp):
+    attention = kind.attention
+    if kind.mixer_switch is not None:
+        switch = getattr(layer, kind.mixer_switch, None)
+        mixer = kind.mixer_for(switch)
+        if mixer is None:
+            return f"its {kind.mixer_switch} {switch!r} is not a token mixer this layer body knows"
+        attention = mixer.attribute
+        if mixer.takes_cache_by_name and isinstance(getattr(layer, attention, None), nn.Module):
+            cache = next(name for name in names if name in CACHE_PARAM_SPELLINGS)
+            if cache not in inspect.signature(type(getattr(layer, attention)).forward).parameters:
+                return f"its {attention} takes no {cache} argument (this transformers renames it on the way)"
+    for attr in (attention, kind.mlp):
         if not isinstance(getattr(layer, attr, None), nn.Module):
             return f"it has no {attr} module"
     body = "parallel" if kind.parallel else "sequential"
