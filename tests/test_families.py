@@ -30,8 +30,9 @@ FAMILIES = {
     "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
     "nanochat": ({}, 9, 4),
     "gemma": ({}, 5, 4),
-    "gemma2": (dict(sliding_window=4), 9, 0),
-    "gemma3_text": (dict(sliding_window=4), 13, 0),
+    "gemma2": (dict(sliding_window=4), 9, 4),
+    "gemma3_text": (dict(sliding_window=4), 13, 4),
+    "glm4": ({}, 9, 4),
     "olmo2": ({}, 9, 4),
     "olmo3": ({}, 9, 4),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
@@ -85,7 +86,10 @@ def test_recognised_families_patch_with_parity(model_type):
     assert (_logits(model, ids) - eager32).abs().max().item() == 0
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_text", "olmo2", "nanochat", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["qwen3_next", "qwen3_5_text", "olmo2", "gemma2", "gemma3_text", "glm4", "nanochat", "mixtral", "gpt_oss"],
+)
 def test_generation_with_a_cache_is_unchanged(model_type):
     """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies
     pass every argument on as the originals do, prefill and decode; fp32 tokens identical to the eager model's."""
@@ -130,7 +134,7 @@ def _tiny_multimodal(model_type: str):
     return AutoModelForImageTextToText.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("gemma3", 0)])
+@pytest.mark.parametrize("model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("gemma3", 4)])
 def test_multimodal_models_get_their_language_model_patched(model_type, fused):
     """The language model inside a vision-language model is patched with parity; the vision tower's norms are
     patched where recognised and otherwise skipped with the reason, never an error."""

@@ -72,11 +72,12 @@ class LayerKind:
         residual = h; h = post_attention_norm(h); h = mlp(h)
         return residual + mlp_dropout(h) * residual_scale
 
-    or, with ``post_norm`` (OLMo2, OLMo3, Exaone4: the norms read the branch outputs, not the stream)::
+    or, with ``post_norm`` (OLMo2, OLMo3, Exaone4: the norms read the branch outputs, not the stream; Gemma2 and
+    Gemma3's "sandwich" adds ``input_norm`` and ``pre_mlp_norm`` before the branches)::
 
-        residual = h; h, _ = attention(hidden_states=h, **every other argument)
+        residual = h; h, _ = attention(hidden_states=input_norm(h), **every other argument)
         h = residual + post_attention_norm(h)
-        residual = h; return residual + post_mlp_norm(mlp(h))
+        residual = h; return residual + post_mlp_norm(mlp(pre_mlp_norm(h)))
 
     or, with ``parallel`` (GPT-J, Phi, GPT-NeoX's parallel residual: both branches read the same ``h``)::
 
@@ -119,6 +120,7 @@ class LayerKind:
     attention_input: str | None = "hidden_states"
     mlp_output: str = "tensor"
     post_norm: bool = False
+    pre_mlp_norm: str | None = None
     post_mlp_norm: str | None = None
     mixer_switch: str | None = None
     mixers: tuple[TokenMixer, ...] = ()
@@ -135,9 +137,11 @@ class LayerKind:
             raise ValueError("a sequential LayerKind needs its post_attention_norm")
         if self.mlp_output not in ("tensor", "pair", "pair if tuple"):
             raise ValueError(f"unknown mlp_output {self.mlp_output!r}")
-        if self.post_norm and (self.input_norm is not None or self.post_mlp_norm is None or self.parallel
-                               or self.residual_scale or self.attention_dropout or self.mlp_dropout):
-            raise ValueError("a post-norm LayerKind has a post_mlp_norm and no input_norm, dropouts or scale")
+        if self.post_norm and (self.post_mlp_norm is None or self.parallel or self.residual_scale
+                               or self.attention_dropout or self.mlp_dropout):
+            raise ValueError("a post-norm LayerKind has a post_mlp_norm and no dropouts or scale")
+        if self.pre_mlp_norm is not None and not self.post_norm:
+            raise ValueError("only a post-norm LayerKind has a pre_mlp_norm")
 
     def mixer_for(self, switch_value: object) -> TokenMixer | None:
         """The token mixer a hybrid layer runs for ``switch_value``, None for an unknown value."""
@@ -146,7 +150,8 @@ class LayerKind:
     @property
     def norms(self) -> tuple[str, ...]:
         """The attribute names of the layer's norms."""
-        return tuple(n for n in (self.input_norm, self.post_attention_norm, self.post_mlp_norm) if n is not None)
+        names = (self.input_norm, self.post_attention_norm, self.pre_mlp_norm, self.post_mlp_norm)
+        return tuple(n for n in names if n is not None)
 
 
 @dataclass(frozen=True)
@@ -276,6 +281,21 @@ FAMILIES: tuple[Family, ...] = (
         layers=(LayerKind(f"{_M}.olmo2.modeling_olmo2.Olmo2DecoderLayer", input_norm=None, post_norm=True,
                           post_mlp_norm="post_feedforward_layernorm"),),
     ),
+    # Sandwich layers: a norm before and after each branch. The adds after the branches are fused with the norms
+    # before them; the norms before the branches run alone (fusing them too would take norm, add and norm in one
+    # kernel).
+    *(
+        Family(name=name, layers=(LayerKind(
+            f"{_M}.{package}.modeling_{package}.{prefix}DecoderLayer", post_norm=True,
+            pre_mlp_norm="pre_feedforward_layernorm", post_mlp_norm="post_feedforward_layernorm",
+            forward_params=("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
+        ),))
+        for name, package, prefix in (("Gemma2", "gemma2", "Gemma2"), ("Gemma3", "gemma3", "Gemma3"))
+    ),
+    Family(name="GLM4", layers=(LayerKind(
+        f"{_M}.glm4.modeling_glm4.Glm4DecoderLayer", post_norm=True, post_attention_norm="post_self_attn_layernorm",
+        pre_mlp_norm="post_attention_layernorm", post_mlp_norm="post_mlp_layernorm",
+    ),)),
     # Models whose layers are Llama's code (recognised by it), with a model forward that differs from Llama's only
     # outside the loop (Gemma scales the embeddings, DeepSeek-V3 and Qwen2.5-VL build their masks and positions
     # differently) and runs the layers then the final norm.

@@ -131,13 +131,16 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
 
 
 def _post_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """The post-norm decoder layer of ``LayerKind`` (OLMo2): each branch's norm and the residual add after it in
-    one kernel."""
+    """The post-norm decoder layer of ``LayerKind`` (OLMo2; with norms before the branches too, Gemma2's
+    sandwich): each branch's norm and the residual add after it in one kernel."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
+    if kind.input_norm is not None:
+        hidden_states = getattr(self, kind.input_norm)(hidden_states)
     hidden_states = _attend(self, kind, hidden_states, args, kwargs)
     hidden_states = getattr(self, kind.post_attention_norm)(hidden_states, add_to=residual)
-    return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(hidden_states), add_to=hidden_states)
+    mlp_input = hidden_states if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)(hidden_states)
+    return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(mlp_input), add_to=hidden_states)
 
 
 def _parallel_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
