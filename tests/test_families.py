@@ -37,6 +37,9 @@ FAMILIES = {
     "olmo3": ({}, 9, 4),
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
     "exaone4": ({}, 9, 4),
+    # Cohere's own LayerNorm class (mean-centred, no bias), recognised in the layernorm mode; its parallel layer
+    # adds (residual + attention) + mlp, a shape not described, so its adds stay unfused.
+    "cohere": ({}, 3, 0),
     # Multi-head latent attention: the rotary part of a head is head_dim.
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
@@ -44,7 +47,7 @@ FAMILIES = {
 }
 # The casting mode each family's norms are recognised in (docs/numerics.md's table).
 MODES = {"qwen3_next": "gemma", "qwen3_5_text": "gemma", "gemma3_text": "gemma", "olmo3": "fp32_affine",
-         "nanochat": "llama", "mixtral": "llama", "deepseek_v3": "llama"}
+         "nanochat": "llama", "mixtral": "llama", "deepseek_v3": "llama", "cohere": "layernorm"}
 
 
 def _logits(model, ids):

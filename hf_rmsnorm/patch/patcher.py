@@ -20,7 +20,7 @@ from . import fused
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry
 from .handoff import NextNorm
-from .recognition import NormRecogniser, family_of, is_rms_norm_like, recognised_layer_kinds, recognised_stack_kind
+from .recognition import NormRecogniser, family_of, is_recognisable_norm, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
@@ -274,7 +274,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
                 plan.report.skipped.append((name, problem))
             else:
                 add_norm(name, module, family, kind)
-        elif is_rms_norm_like(module):
+        elif is_recognisable_norm(module):
             # Probed as its class's forward, so an inherited or replaced forward is judged by what it computes.
             verdict = recogniser.verdict(module, model_dtype)
             problem = verdict.reason if verdict.kind is None else _instance_problem(module)

@@ -4,7 +4,8 @@ transformers has well over a hundred RMSNorm classes, but only a couple of dozen
 (most are Llama's under another name), and its modular code generation copies whole decoder layers verbatim.
 So instead of a list of class names:
 
-* **Norms by their numerics.** A module whose class name contains ``RMSNorm`` (or a ``torch.nn.RMSNorm``) is run,
+* **Norms by their numerics.** A module whose class name contains ``RMSNorm`` (or a ``torch.nn.RMSNorm``, or a
+  model's own ``*LayerNorm`` class, also tried in the mean-centred ``layernorm`` mode) is run,
   as its own class's ``forward``, on probe inputs, and compared bit for bit with each mode of
   ``hf_rmsnorm.ops.modes`` computed by the PyTorch reference. The probe runs on the CPU on a stand-in module with
   a random weight of the module's dtype (a freshly initialised weight of ones would make the modes
@@ -39,6 +40,8 @@ from .families import FAMILIES, LayerKind, NormKind, StackKind
 EPS_ATTRS = ("variance_epsilon", "eps")
 # Modes a recognised RMSNorm may have (the LayerNorm modes centre the row; no RMSNorm body does).
 RMS_MODES = tuple(name for name, mode in MODES.items() if not mode.centre and not mode.keeps_fp64)
+# Also tried for a model's own LayerNorm classes (Cohere's: mean-centred, weight in fp32).
+CENTRED_MODES = ("layernorm",)
 PROBE_ROWS_PER_SCALE = 8
 # Row magnitudes: ordinary, where eps matters, large (an fp16 square would overflow), and the size of real
 # activation outliers.
@@ -55,6 +58,17 @@ def is_rms_norm_like(module: nn.Module) -> bool:
     return isinstance(module, nn.RMSNorm) or "RMSNorm" in type(module).__name__
 
 
+def _is_own_layer_norm(module: nn.Module) -> bool:
+    # nn.LayerNorm itself is left to the LayerNorm families, which know which ones read the residual stream.
+    return type(module).__name__.endswith("LayerNorm") and not isinstance(module, nn.LayerNorm)
+
+
+def is_recognisable_norm(module: nn.Module) -> bool:
+    """A module recognition looks at: an RMSNorm-like one, or a model's own ``*LayerNorm`` class (Cohere's, and
+    T5-style RMSNorms under that name)."""
+    return is_rms_norm_like(module) or _is_own_layer_norm(module)
+
+
 @dataclass(frozen=True)
 class NormVerdict:
     """The outcome of probing a norm: its kind, or why it is left alone."""
@@ -65,7 +79,7 @@ class NormVerdict:
 
 def family_of(cls: type) -> str:
     """The name a recognised class's family is reported under: its class name without the norm suffix."""
-    name = cls.__name__.removesuffix("RMSNorm") or cls.__name__
+    name = cls.__name__.removesuffix("RMSNorm").removesuffix("LayerNorm") or cls.__name__
     return f"{name} (recognised)"
 
 
@@ -138,12 +152,13 @@ def _probe(cls: type, module: nn.Module, eps_attr: str, dtype: torch.dtype) -> N
                 outputs.append((x, cls.forward(stand_in, x)))
     except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
         return NormVerdict(None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200])
-    for mode in RMS_MODES:
+    modes = RMS_MODES + (CENTRED_MODES if _is_own_layer_norm(module) else ())
+    for mode in modes:
         if all(_reproduces(x, expected, weight, eps, mode) for x, expected in outputs):
             path = f"{cls.__module__}.{cls.__qualname__}"
             weight_attr = "weight" if has_weight else None
             return NormVerdict(NormKind(path, eps_attr=eps_attr, mode=mode, weight_attr=weight_attr))
-    return NormVerdict(None, f"{cls.__name__}'s numerics match none of the kernels' modes ({', '.join(RMS_MODES)})")
+    return NormVerdict(None, f"{cls.__name__}'s numerics match none of the kernels' modes ({', '.join(modes)})")
 
 
 def _stand_in(module: nn.Module, weight: Tensor | None) -> nn.Module:
