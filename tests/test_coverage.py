@@ -14,7 +14,7 @@ def test_verdicts_of_known_model_types():
     fused = coverage.check_model_type("nanochat", types["nanochat"], 60)
     assert (fused.verdict, fused.uses_rmsnorm) == ("fused", True) and fused.norms and fused.fused_adds
     assert fused.fp32_max_err <= coverage.FP32_TOLERANCE and fused.bf16_mean_err_ratio <= coverage.BF16_MEAN_SLACK
-    norms_only = coverage.check_model_type("llama4_text", types["llama4_text"], 60)
+    norms_only = coverage.check_model_type("stablelm", types["stablelm"], 60)  # its layers: no known shape
     assert norms_only.verdict == "norms only" and norms_only.norms and not norms_only.fused_adds
     skipped = coverage.check_model_type("bert", types["bert"], 60)
     assert skipped.verdict == "skipped" and "no norm hf_rmsnorm can patch" in skipped.reason

@@ -24,7 +24,9 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
     "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
     "ministral3": ({}, 5, 4),
-    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128), 5, 0),
+    # Every other layer an MoE (a pair of flattened tokens and router logits), the other dense.
+    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
+                         interleave_moe_layer_step=2), 5, 4),
     "qwen3_next": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
     "qwen3_5_text": (HYBRID, 7, HYBRID_ADDS),
     "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
@@ -91,7 +93,8 @@ def test_recognised_families_patch_with_parity(model_type):
 
 @pytest.mark.parametrize(
     "model_type",
-    ["qwen3_next", "qwen3_5_text", "olmo2", "gemma2", "gemma3_text", "glm4", "nanochat", "mixtral", "gpt_oss"],
+    ["qwen3_next", "qwen3_5_text", "olmo2", "gemma2", "gemma3_text", "glm4", "nanochat", "mixtral", "gpt_oss",
+     "llama4_text"],
 )
 def test_generation_with_a_cache_is_unchanged(model_type):
     """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies

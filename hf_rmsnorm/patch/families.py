@@ -99,8 +99,11 @@ class LayerKind:
     ``use_parallel_residual``). ``mlp_output``: ``"tensor"``; ``"pair"`` when the mlp returns ``(states, router
     scores)`` and the layer keeps the first (GPT-OSS); ``"pair if tuple"`` when the layer unpacks only a tuple
     (Qwen3-Next's MoE and dense layers share a body). A hybrid layer (Qwen3-Next, Qwen3.5) picks its token mixer
-    by the instance attribute ``mixer_switch`` among ``mixers``, instead of ``attention``. A class may have
-    several kinds; the patcher takes the first that fits.
+    by the instance attribute ``mixer_switch`` among ``mixers``, instead of ``attention``.
+    ``attention_dropped_args``: layer arguments the original does not pass to its attention (Llama4's
+    ``position_ids``). ``mlp_output_as_residual``: the mlp output is viewed in the residual's shape before the add
+    (Llama4's MoE returns flattened tokens). A class may have several kinds; the patcher takes the first that
+    fits.
     """
 
     class_path: str
@@ -124,6 +127,8 @@ class LayerKind:
     post_mlp_norm: str | None = None
     mixer_switch: str | None = None
     mixers: tuple[TokenMixer, ...] = ()
+    attention_dropped_args: tuple[str, ...] = ()
+    mlp_output_as_residual: bool = False
 
     def matches(self, params: tuple[str, ...]) -> bool:
         """Whether an installed forward's parameter names (after ``self``) are ``forward_params``, the cache
@@ -267,6 +272,16 @@ FAMILIES: tuple[Family, ...] = (
         norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"),),
         layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_output="pair"),),
         stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
+    ),
+    # Llama4's text layers: the feed-forward is an MoE on some layers (a pair, flattened tokens), the attention is
+    # not given position_ids.
+    Family(
+        name="Llama4",
+        layers=(LayerKind(
+            f"{_M}.llama4.modeling_llama4.Llama4TextDecoderLayer", mlp="feed_forward", mlp_output="pair if tuple",
+            mlp_output_as_residual=True, attention_dropped_args=("position_ids",),
+        ),),
+        stacks=(StackKind(f"{_M}.llama4.modeling_llama4.Llama4TextModel"),),
     ),
     # Hybrid stacks: linear-attention and attention layers share the residual stream; each layer runs one token
     # mixer, chosen by its block_type (the linear one is not given the rotary arguments and returns one tensor).

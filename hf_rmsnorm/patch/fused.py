@@ -124,6 +124,8 @@ def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     hidden_states = getattr(self, kind.mlp)(hidden_states)
     if kind.mlp_output == "pair" or (kind.mlp_output == "pair if tuple" and isinstance(hidden_states, tuple)):
         hidden_states, _ = hidden_states
+    if kind.mlp_output_as_residual:
+        hidden_states = hidden_states.view(residual.shape)
 
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
@@ -166,12 +168,12 @@ def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwar
         if len(args) > len(names):
             raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
         kwargs.update(zip(names, args))
-    name, returns_pair = kind.attention, True
+    name, returns_pair, dropped = kind.attention, True, kind.attention_dropped_args
     if kind.mixer_switch is not None:  # a hybrid layer: the token mixer its switch names (checked when patching)
         mixer = kind.mixer_for(getattr(layer, kind.mixer_switch))
-        name, returns_pair = mixer.attribute, mixer.returns_pair
-        for arg in mixer.dropped_args:
-            kwargs.pop(arg, None)
+        name, returns_pair, dropped = mixer.attribute, mixer.returns_pair, mixer.dropped_args
+    for arg in dropped:
+        kwargs.pop(arg, None)
     attention = getattr(layer, name)
     if kind.attention_input is None:
         output = attention(normed, **kwargs)
