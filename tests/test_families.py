@@ -140,16 +140,20 @@ def _tiny_multimodal(model_type: str):
     return AutoModelForImageTextToText.from_config(config).eval()
 
 
-@pytest.mark.parametrize("model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("gemma3", 4)])
+@pytest.mark.parametrize(
+    "model_type,fused", [("mistral3", 4), ("qwen2_5_vl", 4), ("qwen3_vl", 2), ("gemma3", 4), ("llama4", 4)]
+)
 def test_multimodal_models_get_their_language_model_patched(model_type, fused):
     """The language model inside a vision-language model is patched with parity; the vision tower's norms are
-    patched where recognised and otherwise skipped with the reason, never an error."""
+    patched where recognised and otherwise skipped with the reason, never an error. (Llama4's text-only forward
+    fails in transformers 5.24 itself, unpatched: its language model is run directly.)"""
     model = _tiny_multimodal(model_type)
+    text_model = model.language_model if model_type == "llama4" else model
     ids = input_ids()
-    eager = _logits(model, ids)
+    eager = _logits(text_model, ids)
     report = patch_model(model)
     assert len(report.fused_adds) == fused, str(report)
     assert any("language_model" in name for name in report.norms)
     vision = [(name, reason) for name, reason in report.skipped if "vision" in name or "visual" in name]
     assert all(reason for _, reason in vision)
-    assert (_logits(model, ids) - eager).abs().max().item() <= 1e-5 * eager.abs().max().item()
+    assert (_logits(text_model, ids) - eager).abs().max().item() <= 1e-5 * eager.abs().max().item()
