@@ -21,6 +21,8 @@ cache only ever holds what Triton's own cache holds, so its answer never depends
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,11 +44,13 @@ def _arg_key(arg: Any) -> Any:
     return arg  # anything else Triton sees by value
 
 
-def _current_stream(device_index: int) -> int:
-    """The raw current stream of the device, fetched as Triton's own launch path fetches it."""
+@functools.cache
+def _stream_getter() -> Callable[[int], int]:
+    """The function Triton's own launch path fetches a device's raw current stream with (resolved once: the
+    driver is a lazy proxy, and this runs on every cached launch)."""
     from triton.runtime import driver
 
-    return driver.active.get_current_stream(device_index)
+    return driver.active.get_current_stream
 
 
 class CachedLauncher:
@@ -66,16 +70,19 @@ class CachedLauncher:
         if device.type != "cuda" or _KNOBS is None:
             self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
             return
-        key = (device.index, num_warps, *map(_arg_key, args), *(constexprs[name] for name in self.constexpr_names))
+        constants = tuple(constexprs[name] for name in self.constexpr_names)
+        key = (device.index, num_warps, *map(_arg_key, args), *constants)
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
             if all(hasattr(compiled, attr) for attr in ("run", "function", "packed_metadata", "launch_metadata")):
                 self.compiled[key] = compiled
             return
-        all_args = (*args, *(constexprs[name] for name in self.constexpr_names))
-        stream = _current_stream(device.index)
+        all_args = (*args, *constants)
+        stream = _stream_getter()(device.index)
         runtime = _KNOBS.runtime
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata,
-                     compiled.launch_metadata((grid, 1, 1), stream, *all_args),
+        # Triton's launch_metadata is None unless a launch hook (a profiler) is installed: skip the call then.
+        metadata = None if runtime.launch_enter_hook is None else compiled.launch_metadata(
+            (grid, 1, 1), stream, *all_args)
+        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
                      runtime.launch_enter_hook, runtime.launch_exit_hook, *all_args)

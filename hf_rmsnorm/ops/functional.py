@@ -78,14 +78,11 @@ def _rms_norm_add_impl(
 ) -> tuple[Tensor, Tensor]:
     """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
     then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
-    check_forward(x, residual, weight, bias, eps)
-    if runs_kernels(x, residual, weight, bias):
-        if get_mode(mode).output_dtype(x.dtype, weight, bias) == residual.dtype:
-            out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual)
-            return out, stats
-        y, _, stats = norm_forward(x, None, weight, bias, eps, mode)
-    else:
-        y, _, stats = reference.forward_reference(x, None, weight, bias, eps, mode)
+    check_forward(x, residual, weight, bias, eps)  # the residual's shape too: the add must not broadcast
+    if runs_kernels(x, residual, weight, bias) and get_mode(mode).output_dtype(x.dtype, weight, bias) == residual.dtype:
+        out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual)
+        return out, stats
+    y, _, stats = _forward(x, None, weight, bias, eps, mode)
     return residual + y, stats
 
 
