@@ -5,7 +5,8 @@ reports registers per thread, spilled bytes and the widest global load of each.
     python scripts/inspect_kernels.py --arch sm_80 --hidden 4096 --dtype bf16 --strict
 
 Exit status: 0 done, 1 --strict found a problem, 2 a variant failed to compile or bad input (one line on
-stderr), 3 cuobjdump/nvdisasm missing.
+stderr), 3 cuobjdump/nvdisasm missing or Triton too old
+(>= 3.5 needed).
 The work is done by hf_rmsnorm.tools.kernel_inspect, which also explains the method; this file only reads the
 command line.
 """
@@ -50,10 +51,11 @@ def _main(argv: list[str]) -> int:
     config, strict = parse_args(argv)
     # Kernels defined for the interpreter cannot be compiled for a GPU: set the backend up before they exist.
     backend.configure("cuda")
-    tools = kernel_inspect.find_tools()
-    if tools is None:
-        print("cuobjdump/nvdisasm not found (they ship in triton/backends/nvidia/bin)", file=sys.stderr)
+    unavailable = kernel_inspect.unavailable_reason()
+    if unavailable:
+        print(unavailable, file=sys.stderr)
         return EXIT_NO_TOOLS
+    tools = kernel_inspect.find_tools()
     try:
         records = kernel_inspect.run_inspection(config, tools)
     except kernel_inspect.CompilationFailed as exc:
@@ -64,7 +66,7 @@ def _main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the inspection; returns the exit status: 0 done, 1 ``--strict`` found a problem, 2 a variant failed
-    to compile (or bad input, such as an unknown ``--mode``), 3 tools missing."""
+    to compile (or bad input, such as an unknown ``--mode``), 3 tools missing or Triton too old."""
     return cli.run("inspect_kernels.py", _main, argv)
 
 

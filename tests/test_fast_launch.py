@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_rmsnorm import fused_add_rms_norm
-from hf_rmsnorm.ops import launch
+from hf_rmsnorm.ops import backend, launch
 from hf_rmsnorm.ops.fast_launch import _arg_key
 from hf_rmsnorm.ops.kernels import norm_fwd_kernel
 from hf_rmsnorm.tools.kernel_inspect import capture_launch
@@ -15,18 +15,16 @@ from hf_rmsnorm.tools.kernel_inspect import capture_launch
 
 def _triton_binder():
     """Triton's own argument binder for the forward kernel, as its launch path builds it (Triton >= 3.5)."""
-    try:
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import create_function_from_signature
-    except ImportError:
-        pytest.skip("this Triton has no create_function_from_signature")
+    if not backend.triton_at_least(3, 5):
+        pytest.skip("before Triton 3.5 the binder differs and the cached launch path is off")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
     from triton.runtime.jit import JITFunction
 
     # Under the interpreter the kernel is an InterpretedFunction: build the JITFunction a GPU process would have.
     kernel = norm_fwd_kernel if isinstance(norm_fwd_kernel, JITFunction) else JITFunction(norm_fwd_kernel.fn)
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    return create_function_from_signature(kernel.signature, kernel.params, backend)
+    return create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
 
 
 def test_equal_keys_mean_equal_triton_specialisations():

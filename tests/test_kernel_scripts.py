@@ -59,16 +59,16 @@ def test_parse_resource_usage_counts_stack_as_spill():
         kernel_inspect.parse_resource_usage("no usage here")
 
 
-def _have_cuda_binary_tools() -> bool:
-    from triton import knobs
+def test_inspection_names_the_triton_it_needs(monkeypatch):
+    import triton
 
-    try:
-        return bool(knobs.nvidia.cuobjdump.path and knobs.nvidia.nvdisasm.path)
-    except RuntimeError:
-        return False
+    monkeypatch.setattr(triton, "__version__", "3.2.0")
+    assert kernel_inspect.unavailable_reason() == (
+        "the kernel inspection needs triton >= 3.5 (installed 3.2.0): pip install 'triton>=3.5'")
 
 
-@pytest.mark.skipif(not _have_cuda_binary_tools(), reason="cuobjdump/nvdisasm not found in the Triton wheel")
+@pytest.mark.skipif(kernel_inspect.unavailable_reason() is not None,
+                    reason=str(kernel_inspect.unavailable_reason()))
 def test_inspect_kernels_no_spills_and_128_bit_bf16_loads(tmp_path):
     # The fused-add forward and its backward, one hidden size kept whole in registers and one looped over.
     out = tmp_path / "inspect.json"

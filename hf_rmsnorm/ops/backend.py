@@ -89,6 +89,11 @@ def _version(text: str) -> tuple[int, int]:
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
+def triton_at_least(major: int, minor: int) -> bool:
+    """Whether the installed Triton is release ``major.minor`` or later."""
+    return _version(triton_version()) >= (major, minor)
+
+
 def interpreter_problem(triton: tuple[int, int], numpy: tuple[int, int]) -> str | None:
     """Why Triton's interpreter cannot run the kernels with these versions, if it cannot: before Triton 3.7 it
     breaks on NumPy 2.4 and later in every kernel loop with a runtime bound (the kernels have several)."""

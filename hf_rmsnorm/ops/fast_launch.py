@@ -15,7 +15,7 @@ specialises a launch on:
 
 The key is at least as fine as Triton's own, so every call with a known key runs the binary that Triton would
 have picked for it, launched through the same launcher call with the same hooks; any other call (a new key, the
-CPU interpreter, a Triton release without the launcher interface used here) takes ``kernel[grid](...)``. The
+CPU interpreter, a Triton release before 3.5) takes ``kernel[grid](...)``. The
 cache only ever holds what Triton's own cache holds, so its answer never depends on what ran before.
 """
 
@@ -28,9 +28,12 @@ from typing import Any
 import torch
 import triton
 
+from .backend import triton_at_least
+
 # The launcher interface (CompiledKernel.run/function/packed_metadata/launch_metadata, hooks in triton.knobs)
-# has been this one since Triton 3.4; older releases always take Triton's own path.
-_KNOBS = getattr(triton, "knobs", None)
+# and the specialisation rules the key copies are those of Triton 3.5 and later, where tests/test_fast_launch.py
+# checks the key against Triton's own binder; older releases always take Triton's own path.
+_KNOBS = triton.knobs if triton_at_least(3, 5) else None
 _INT32_MAX = 2**31 - 1
 
 

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Callable
 from unittest import mock
 
+from ..ops import backend
+
 DEFAULT_HIDDEN = (128, 896, 4096, 8192, 16384, 32768, 65536)
 DTYPES = ("bf16", "fp16", "fp32")
 # A row count that is not a multiple of 16 (so it gets no divisibility specialisation) and is not 1 (which
@@ -237,6 +239,11 @@ def format_table(records: list[Record]) -> str:
 # ------------------------------------------------------------------------------------------------ whole run
 
 
+# The compiler internals ``compile_launch`` drives (the signature binder, ``_pack_args``, ``triton.knobs``) took
+# their present form in Triton 3.5; the kernels themselves run on older releases.
+MIN_TRITON = (3, 5)
+
+
 def find_tools() -> tuple[str, str] | None:
     """Paths of cuobjdump and nvdisasm as Triton resolves them, or None when either is missing."""
     from triton import knobs
@@ -245,6 +252,16 @@ def find_tools() -> tuple[str, str] | None:
         return knobs.nvidia.cuobjdump.path, knobs.nvidia.nvdisasm.path
     except RuntimeError:
         return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the inspection cannot run with the installed Triton, in one line with the fix, or None if it can."""
+    if not backend.triton_at_least(*MIN_TRITON):
+        return (f"the kernel inspection needs triton >= {MIN_TRITON[0]}.{MIN_TRITON[1]} (installed "
+                f"{backend.triton_version()}): pip install 'triton>={MIN_TRITON[0]}.{MIN_TRITON[1]}'")
+    if find_tools() is None:
+        return "cuobjdump/nvdisasm not found (they ship in triton/backends/nvidia/bin)"
+    return None
 
 
 class CompilationFailed(RuntimeError):
