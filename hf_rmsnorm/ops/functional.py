@@ -22,13 +22,15 @@ from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .launch import norm_backward, norm_forward
-from .modes import get_mode, sum_dtype
+from .modes import dtype_of, get_mode, sum_dtype
 
 
-def _forward(x, residual, weight, bias, eps, mode):
+def _forward(x, residual, weight, bias, eps, mode, store_stats=True):
+    """``(y, residual + x or None, stats)``; the kernels skip the stats when ``store_stats`` is false
+    (inference: only the backward reads them), the PyTorch implementation computes them anyway."""
     check_forward(x, residual, weight, bias, eps)  # before the kernels could read out of bounds
     if runs_kernels(x, residual, weight, bias):
-        return norm_forward(x, residual, weight, bias, eps, mode)
+        return norm_forward(x, residual, weight, bias, eps, mode, store_stats=store_stats)
     y, norm_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
     return y, (None if residual is None else norm_input), stats
 
@@ -73,17 +75,23 @@ def _(x, residual, weight, bias, eps, mode):
     return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
-def _rms_norm_add_impl(
-    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
-) -> tuple[Tensor, Tensor]:
+def _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=True):
     """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
     then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
     check_forward(x, residual, weight, bias, eps)  # the residual's shape too: the add must not broadcast
-    if runs_kernels(x, residual, weight, bias) and get_mode(mode).output_dtype(x.dtype, weight, bias) == residual.dtype:
-        out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual)
+    same_dtype = get_mode(mode).output_dtype_of(x.dtype, dtype_of(weight), dtype_of(bias)) == residual.dtype
+    if same_dtype and runs_kernels(x, residual, weight, bias):
+        out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
+                                     store_stats=store_stats)
         return out, stats
-    y, _, stats = _forward(x, None, weight, bias, eps, mode)
+    y, _, stats = _forward(x, None, weight, bias, eps, mode, store_stats)
     return residual + y, stats
+
+
+def _rms_norm_add_impl(
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
+) -> tuple[Tensor, Tensor]:
+    return _rms_norm_add(x, residual, weight, bias, eps, mode)
 
 
 _rms_norm_add_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_add_fwd", mutates_args=())(_rms_norm_add_impl)
@@ -272,7 +280,7 @@ def rms_norm(
         return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, eps, mode)[0]
     if _needs_autograd(x, weight, bias):
         return _RmsNormFunction.apply(x, weight, bias, eps, mode)[0]
-    return _forward(x, None, weight, bias, eps, mode)[0]
+    return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
 
 
 def fused_add_rms_norm(
@@ -303,7 +311,7 @@ def fused_add_rms_norm(
     elif _needs_autograd(x, residual, weight, bias):
         y, new_residual, _ = _AddRmsNormFunction.apply(x, residual, weight, bias, eps, mode)
     else:
-        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode)
+        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
     return y, new_residual
 
 
@@ -332,5 +340,5 @@ def rms_norm_add(
         return torch.ops.hf_rmsnorm.rms_norm_add_fwd(x, residual, weight, bias, eps, mode)[0]
     if _needs_autograd(x, residual, weight, bias):
         return _RmsNormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
-    return _rms_norm_add_impl(x, residual, weight, bias, eps, mode)[0]
+    return _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=False)[0]
 

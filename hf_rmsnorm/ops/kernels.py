@@ -93,11 +93,12 @@ def norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
+    STORE_STATS: tl.constexpr,
 ):
     """One program normalises ``BLOCK_M`` rows. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
     layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
     the residual sum (unused without residual); ``RSTD`` holds ``rstd`` for every row, followed by the row means
-    when ``CENTER``."""
+    when ``CENTER``, written only with ``STORE_STATS`` (the backward's input: inference passes None)."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
     runtime_one = eps * 0.0 + 1.0  # eps is finite (checked on the host); the compiler cannot fold this
@@ -168,9 +169,10 @@ def norm_fwd_kernel(
             _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
                              runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
                              ADD_AFTER)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    if CENTER:
-        tl.store(RSTD + n_rows + rows, mean, mask=row_mask)
+    if STORE_STATS:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if CENTER:
+            tl.store(RSTD + n_rows + rows, mean, mask=row_mask)
 
 
 @triton.jit

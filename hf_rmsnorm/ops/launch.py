@@ -7,13 +7,14 @@ heuristics are cached per (width, dtype size) and nothing is autotuned.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 
 from .fast_launch import CachedLauncher
 from .kernels import norm_bwd_kernel, norm_fwd_kernel
-from .modes import get_mode, sum_dtype
+from .modes import Mode, dtype_of, get_mode
 
 # Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
 # The backward keeps more values live per element (dy, n, g and the weight-gradient accumulator).
@@ -99,6 +100,35 @@ class _on_device:
             self.guard.__exit__(*exc)
 
 
+class _ForwardPlan(NamedTuple):
+    """What a forward launch depends on besides the tensors' addresses and row count."""
+
+    mode: Mode
+    y_dtype: torch.dtype
+    norm_dtype: torch.dtype
+    block_m: int
+    num_warps: int
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_plan(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
+                  bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool,
+                  store_stats: bool) -> _ForwardPlan:
+    """The forward's dtypes, tiling and kernel flags for one combination of argument dtypes, width and flags.
+    A pure function of its arguments, cached because decode repeats a handful of combinations and is host-bound:
+    computing them costs several microseconds, looking them up a fraction of one."""
+    m = get_mode(mode)
+    norm_dtype = x_dtype if residual_dtype is None else torch.promote_types(x_dtype, residual_dtype)
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
+    constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
+                      HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
+                      BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile, ADD_AFTER=add_after,
+                      STORE_STATS=store_stats)
+    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, block_m,
+                        num_warps, constexprs)
+
+
 def norm_forward(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -107,17 +137,20 @@ def norm_forward(
     eps: float,
     mode: str,
     residual_after: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    store_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Runs the forward kernel. Returns ``(y, residual + x or None, stats)``: fp32 ``rstd`` of shape
-    ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode. With ``residual_after`` (of ``x``'s
-    shape and of the norm's output dtype; ``residual`` then None), ``y`` is ``residual_after + norm(x)``."""
-    m = get_mode(mode)
+    ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode; None unless ``store_stats`` (only the
+    backward reads them). With ``residual_after`` (of ``x``'s shape and of the norm's output dtype; ``residual``
+    then None), ``y`` is ``residual_after + norm(x)``."""
     shape = x.shape
     n_cols = shape[-1]
-    norm_dtype = sum_dtype(x, residual)
-    y = _new_rows(x, m.output_dtype(norm_dtype, weight, bias))
-    new_residual = None if residual is None else _new_rows(x, norm_dtype)
-    stats = torch.empty(m.stats_shape(shape), dtype=torch.float32, device=x.device)
+    plan = _forward_plan(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
+                         residual_after is not None, store_stats)
+    y = _new_rows(x, plan.y_dtype)
+    new_residual = None if residual is None else _new_rows(x, plan.norm_dtype)
+    stats = (torch.empty(plan.mode.stats_shape(shape), dtype=torch.float32, device=x.device) if store_stats
+             else None)
     n_rows = y.numel() // n_cols if n_cols else 0
     if n_rows == 0:
         return y, new_residual, stats
@@ -130,18 +163,15 @@ def norm_forward(
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
-    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     with _on_device(x):
         _launch(
-            norm_fwd_kernel, _cdiv(n_rows, block_m),
+            norm_fwd_kernel, _cdiv(n_rows, plan.block_m),
             (x2, r2, weight, bias, y, y if new_residual is None else new_residual, stats,
              n_rows, n_cols,
              stride_x, stride_r, n_cols, n_cols,
              eps),
-            dict(HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-                 **m.kernel_flags,
-                 BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile, ADD_AFTER=residual_after is not None),
-            num_warps,
+            plan.constexprs,
+            plan.num_warps,
         )
     return y, new_residual, stats
 

@@ -65,10 +65,19 @@ class Mode:
         self, norm_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None
     ) -> torch.dtype:
         """The dtype Hugging Face's module returns for an input of ``norm_dtype``."""
+        return self.output_dtype_of(norm_dtype, None if weight is None else weight.dtype,
+                                    None if bias is None else bias.dtype)
+
+    # Cached: torch.promote_types is an aten op, dispatched on every call (host time at decode sizes).
+    @functools.lru_cache(maxsize=None)
+    def output_dtype_of(
+        self, norm_dtype: torch.dtype, weight_dtype: torch.dtype | None, bias_dtype: torch.dtype | None
+    ) -> torch.dtype:
+        """``output_dtype`` from the dtypes of the weight and the bias (None: absent)."""
         if not self.promotes_output:
             return norm_dtype
-        dtype = norm_dtype if weight is None else torch.promote_types(weight.dtype, norm_dtype)
-        return dtype if bias is None else torch.promote_types(dtype, bias.dtype)
+        dtype = norm_dtype if weight_dtype is None else torch.promote_types(weight_dtype, norm_dtype)
+        return dtype if bias_dtype is None else torch.promote_types(dtype, bias_dtype)
 
     def compute_dtype(self, norm_dtype: torch.dtype) -> torch.dtype:
         """The dtype the row is normalised in, which is also the dtype of the saved statistics."""
@@ -102,3 +111,8 @@ def get_mode(name: str) -> Mode:
 def sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     """The dtype of the norm's input: ``residual + x`` as torch promotes it, or ``x``'s."""
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def dtype_of(t: torch.Tensor | None) -> torch.dtype | None:
+    """``t``'s dtype, None for an absent optional tensor (keys of the per-dtype caches)."""
+    return None if t is None else t.dtype

@@ -42,7 +42,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ROWS = 4095
 # SMs of the reference card of each architecture (H100 SXM, A100); only the backward's program count uses it.
 SM_COUNTS = {"sm_80": 108, "sm_90": 132}
-VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "bwd", "bwd+dsum", "bwd+dsum+bias")
+# "infer": a forward without autograd, which skips the statistics only the backward reads.
+VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias")
 
 # Global loads (LDGSTS, the asynchronous global-to-shared copy, reads global memory too) and stores.
 _GLOBAL_ACCESS = re.compile(r"\b(LDGSTS|LDG|STG)((?:\.\w+)*)\s")
@@ -164,13 +165,14 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
         mock.patch.object(launch, "_sm_count", lambda _index: sm_count),
     ):
         x = tensor()
-        y, new_residual, stats = launch.norm_forward(x, residual, weight, bias, 1e-6, mode)
+        y, new_residual, stats = launch.norm_forward(x, residual, weight, bias, 1e-6, mode,
+                                                     store_stats=not variant.startswith("infer"))
         if variant.startswith("bwd"):
             norm_input = x if new_residual is None else new_residual
             dsum = None if new_residual is None else torch.empty_like(new_residual)
             launch.norm_backward(torch.empty_like(y), dsum, norm_input, stats, weight,
                                  None if bias is None else bias.dtype, mode, x.dtype, None)
-    if variant.startswith("fwd"):
+    if not variant.startswith("bwd"):
         (args, kwargs), = fwd.calls
         return launch.norm_fwd_kernel, args, kwargs
     (args, kwargs), = bwd.calls
