@@ -62,6 +62,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"timed runs per speed figure, median reported (default {gpu['repeats']}; GPU only)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
+    parser.add_argument("--compile", action="store_true",
+                        help="generate with transformers' compiled generation, unpatched and patched alike: a static "
+                        "cache and torch.compile of each decoding step (CUDA graphs, mode reduce-overhead, on a "
+                        "GPU; inductor's default mode on CPU, slow to compile); the logits parity stays eager")
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.expanduser().absolute().parent.is_dir():
         raise cli.InputError(f"--json {args.json}: directory {args.json.expanduser().absolute().parent} "

@@ -72,6 +72,40 @@ def test_cli_passes_on_each_preset(preset, tmp_path):
 
 
 @pytest.mark.slow
+def test_compiled_generation_compares_compiled_unpatched_with_compiled_patched(monkeypatch):
+    """--compile: both models generate through transformers' compiled generation (static cache, torch.compile
+    of each decoding step); the patched one's compiled steps run the kernels (its compiled call is not the
+    unpatched model's, reused), the unpatched one's none."""
+    from hf_rmsnorm.ops import launch
+    from hf_rmsnorm.tools import verify
+    from hf_rmsnorm.tools.verify_settings import VerifyConfig
+
+    launches, per_generation = [], []
+    real_launch, real_greedy = launch._launch, workload.greedy_tokens
+    monkeypatch.setattr(launch, "_launch", lambda *args: (launches.append(args), real_launch(*args))[1])
+
+    def counted_greedy(*args, **kwargs):
+        assert kwargs["compile_on"] == "cpu"
+        before = len(launches)
+        generation = real_greedy(*args, **kwargs)
+        per_generation.append(len(launches) - before)
+        return generation
+
+    monkeypatch.setattr(workload, "greedy_tokens", counted_greedy)
+    new_tokens = 4
+    config = VerifyConfig(model="tiny-llama", dtype="bf16", batch_size=2, prompt_len=12,
+                          max_new_tokens=new_tokens, repeats=1, compile=True)
+    report = verify.run(config, torch.device(IN_PROCESS_DEVICE))
+    assert report["passed"] and report["settings"]["compile"] == "default"
+    assert report["parity"]["greedy_match"] == 1.0
+    eager_launches, patched_launches = per_generation
+    assert eager_launches == 0
+    # Each compiled decoding step runs one kernel per norm (no cross-layer handoff under torch.compile).
+    assert patched_launches >= (new_tokens - 1) * report["patch"]["norms"]
+    assert "greedy generation (compiled)" in verify.render(report)
+
+
+@pytest.mark.slow
 def test_cli_loads_a_save_pretrained_directory(tmp_path):
     build_preset("tiny-qwen3", seed=3).save_pretrained(tmp_path / "model")
     result = run_verify("--model", str(tmp_path / "model"), "--dtype", "bf16", *QUICK)

@@ -58,7 +58,8 @@ class _FirstTokenClock(LogitsProcessor):
 
 
 @torch.no_grad()
-def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> tuple[float, float]:
+def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int,
+                    compile_on: str | None) -> tuple[float, float]:
     """Seconds of prefill and of decode in one ``generate()`` call."""
     clock = _FirstTokenClock()
     torch.cuda.synchronize()
@@ -66,7 +67,7 @@ def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, p
     model.generate(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
-        generation_config=generation_config(new_tokens, pad_id),
+        generation_config=generation_config(new_tokens, pad_id, compile_on=compile_on),
         logits_processor=LogitsProcessorList([clock]),
     )
     torch.cuda.synchronize()
@@ -75,7 +76,7 @@ def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, p
 
 
 def measure_generate(
-    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int
+    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int, *, compiled: bool = False
 ) -> SpeedFigures:
     """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model (see module docstring).
 
@@ -85,6 +86,8 @@ def measure_generate(
         new_tokens: tokens to generate per row; at least 2 (decode is the part after the first).
         repeats: timed runs per figure; the median is reported.
         pad_id: pad token for ``generate``.
+        compiled: transformers' compiled generation (static cache, ``torch.compile`` with CUDA graphs); the
+            warm-up run compiles and captures.
 
     Returns:
         Prefill tokens/s (``batch * prompt_len`` per prefill), decode tokens/s (``batch`` per step after the
@@ -94,13 +97,15 @@ def measure_generate(
     if new_tokens < 2:
         raise ValueError("decode timing needs new_tokens >= 2")
     batch, prompt_len = prompts.input_ids.shape
-    _timed_generate(model, prompts, new_tokens, pad_id)
+    compile_on = "cuda" if compiled else None
+    _timed_generate(model, prompts, new_tokens, pad_id, compile_on)
     device = prompts.input_ids.device
     torch.cuda.reset_peak_memory_stats(device)
     # What the runs add on top of what is already held (the model, and whatever the caller keeps: verify.py
     # holds several models' logits by the time it times the patched model), so two models compare fairly.
     held_before = torch.cuda.memory_allocated(device)
-    prefill_s, decode_s = zip(*(_timed_generate(model, prompts, new_tokens, pad_id) for _ in range(repeats)))
+    prefill_s, decode_s = zip(*(_timed_generate(model, prompts, new_tokens, pad_id, compile_on)
+                                for _ in range(repeats)))
     return SpeedFigures(
         prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
         decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),

@@ -76,6 +76,11 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
+def _compiled(settings: dict) -> str:
+    mode = settings.get("compile")
+    return f" compiled (static cache, torch.compile mode {mode})" if mode else ""
+
+
 def render(report: dict) -> str:
     """The human-readable report printed on stdout."""
     env, patch, par, speed, settings = (report[k] for k in ("environment", "patch", "parity", "speed", "settings"))
@@ -120,7 +125,8 @@ def render(report: dict) -> str:
             ("max / mean |d logits|", f"{_g(par['max_abs_diff'])} / {_g(par['mean_abs_diff'])}"),
             ("top-1 agreement", f"{100 * par['top1_agreement']:.1f}% of {positions} positions"),
             ("KL divergence mean / max", f"{_g(par['kl_mean'])} / {_g(par['kl_max'])}"),
-            (f"greedy generation, up to {settings['max_new_tokens']} tokens", _greedy_summary(par)),
+            (f"greedy generation{' (compiled)' if settings.get('compile') else ''}, up to "
+             f"{settings['max_new_tokens']} tokens", _greedy_summary(par)),
         ], numeric=False),
     ]
     lines += [
@@ -142,7 +148,7 @@ def render(report: dict) -> str:
         unpatched, patched = speed["unpatched"], speed["patched"]
         gib = 1024 ** 3
         lines += [
-            f"Speed: generate() on {env['device_name']}, batch {settings['batch_size']}, prompt "
+            f"Speed: generate(){_compiled(settings)} on {env['device_name']}, batch {settings['batch_size']}, prompt "
             f"{settings['prompt_len']}, {settings['max_new_tokens']} new tokens, median of {settings['repeats']}",
             _table([
                 ("", "unpatched", "patched", "speedup"),
@@ -210,15 +216,19 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
         tokenizer, vocab_size, config.batch_size, config.prompt_len, pad_id, left_pad=False, device=device
     ) if on_gpu else None
 
+    compiled = " (compiled)" if config.compile else ""
+
     def generation(label: str) -> workload.Generation:
-        with step(f"{label}: up to {new_tokens} greedy tokens per row"):
-            return workload.greedy_tokens(model, prompts, new_tokens, pad_id)
+        with step(f"{label}: up to {new_tokens} greedy tokens per row{compiled}"):
+            return workload.greedy_tokens(model, prompts, new_tokens, pad_id,
+                                          compile_on=device.type if config.compile else None)
 
     def timing(label: str):
         if not on_gpu:
             return None
-        with step(f"{label} model: timing generate(), {config.repeats} repeats"):
-            return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id)
+        with step(f"{label} model: timing generate(){compiled}, {config.repeats} repeats"):
+            return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id,
+                                    compiled=config.compile)
 
     # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
     with step("unpatched model: logits, recording every norm's input and output"):
@@ -272,6 +282,7 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
             "parity_prompts": "chat" if questions else "passage",
             "parity_prompt_len": int(prompts.input_ids.shape[1]), "prompt_len": config.prompt_len,
             "max_new_tokens": new_tokens, "repeats": config.repeats if on_gpu else None, "seed": config.seed,
+            "compile": workload.COMPILE_MODES[device.type] if config.compile else None,
         },
         "environment": {
             "hf_rmsnorm": hf_rmsnorm.__version__, "torch": torch.__version__,

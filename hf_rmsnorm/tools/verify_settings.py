@@ -31,6 +31,7 @@ class VerifyConfig:
     repeats: int
     seed: int = 0
     json: Path | None = None
+    compile: bool = False
 
 
 # The verdict's thresholds (why these values: ``parity.py``).

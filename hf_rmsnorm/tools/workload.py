@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 # A fixed English passage: prompts come from it so real tokenizers produce realistic, reproducible inputs.
 _PROMPT_TEXT = (
@@ -148,14 +148,32 @@ def prompt_logits(model: PreTrainedModel, prompts: Prompts) -> Tensor:
     return logits[valid].to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def generation_config(new_tokens: int, pad_id: int, eos_id: int | list[int] | None = None) -> GenerationConfig:
+def generation_config(
+    new_tokens: int, pad_id: int, eos_id: int | list[int] | None = None, *, compile_on: str | None = None
+) -> GenerationConfig:
     """Greedy decoding, ignoring the checkpoint's sampling defaults: exactly ``new_tokens`` tokens per row, or,
-    given ``eos_id``, at most that many (a row ends at its end-of-sequence token, as a chat answer does)."""
-    if eos_id is None:
-        return GenerationConfig(
-            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id
-        )
-    return GenerationConfig(do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad_id, eos_token_id=eos_id)
+    given ``eos_id``, at most that many (a row ends at its end-of-sequence token, as a chat answer does).
+
+    ``compile_on`` (a device type) asks for transformers' compiled generation: a static cache, and each decoding
+    step through ``torch.compile`` of the model's forward (the prompt's forward stays eager), in
+    ``COMPILE_MODES[compile_on]``."""
+    lengths = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens) if eos_id is None else dict(
+        max_new_tokens=new_tokens, eos_token_id=eos_id)
+    compiled = {} if compile_on is None else dict(cache_implementation="static",
+                                                   compile_config=_compile_config(compile_on))
+    return GenerationConfig(do_sample=False, pad_token_id=pad_id, **lengths, **compiled)
+
+
+# torch.compile's mode for compiled generation per device type: CUDA graphs on a GPU, where a decoding step is
+# bound by host time; on CPU inductor's default (the kernels run in Triton's interpreter there: a parity check).
+COMPILE_MODES = {"cuda": "reduce-overhead", "cpu": "default"}
+
+
+def _compile_config(device_type: str) -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, mode=COMPILE_MODES[device_type])
+    # transformers compiles generation on GPUs (and a few accelerators) only, unless this flag says otherwise.
+    config._compile_all_devices = device_type != "cuda"
+    return config
 
 
 @dataclass
@@ -168,13 +186,17 @@ class Generation:
 
 
 @torch.no_grad()
-def greedy_tokens(model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int) -> Generation:
+def greedy_tokens(
+    model: PreTrainedModel, prompts: Prompts, new_tokens: int, pad_id: int, *, compile_on: str | None = None
+) -> Generation:
     """Greedy ``generate()`` of up to ``new_tokens`` tokens per row, ending rows at the model's end-of-sequence
-    token, with the logits behind every choice (``output_logits``: before any logits processor)."""
+    token, with the logits behind every choice (``output_logits``: before any logits processor); compiled
+    generation with ``compile_on`` (see ``generation_config``)."""
     out = model.generate(
         input_ids=prompts.input_ids,
         attention_mask=prompts.attention_mask,
-        generation_config=generation_config(new_tokens, pad_id, model.generation_config.eos_token_id),
+        generation_config=generation_config(new_tokens, pad_id, model.generation_config.eos_token_id,
+                                            compile_on=compile_on),
         output_logits=True,
         return_dict_in_generate=True,
     )
