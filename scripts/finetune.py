@@ -3,7 +3,7 @@
 usage:
   accelerate launch [accelerate options] scripts/finetune.py [--model NAME_OR_PATH] [--data PATH] \\
       --output-dir DIR [--overwrite] [--max-steps N] [--batch-size B] [--seq-len L] [--lr LR] [--seed S] \\
-      [--no-patch] [--lora] [--gradient-checkpointing] [--metrics-json PATH]
+      [--no-patch] [--lora] [--gradient-checkpointing] [--fsdp] [--metrics-json PATH]
   (plain `python scripts/finetune.py ...` runs one process)
 
 The model (a preset, a save_pretrained directory or a Hub id) is trained on a plain-text file or a directory
@@ -24,12 +24,22 @@ Exit status: 0 trained and saved, 2 bad input (one line on stderr, nothing writt
 line; --traceback shows the traceback). The work is done by hf_rmsnorm.tools.finetune; this file only reads the
 command line.
 
+--fsdp shards the model with FSDP2: each decoder layer is one unit, so each of N processes holds 1/N of the
+decoder parameters, gradients and optimizer state. On GPUs accelerate applies it (its FSDP2 plugin, a
+transformer-layer wrap policy; --mixed_precision bf16 becomes an FSDP2 mixed-precision policy); one GPU works
+too, as a process group of one. accelerate does not shard on CPU, so there the script applies torch's
+fully_shard itself, per decoder layer and then on the whole model, over gloo, and needs at least 2 processes.
+Launch it plainly (accelerate launch --multi_gpu --num_processes N, or with --num_machines, --machine_rank,
+--main_process_ip and --main_process_port across machines); accelerate's own --use_fsdp is refused. The result
+is saved unsharded (gathered onto the main process), exactly as without --fsdp.
+
 What has been tested (CPU only so far):
   one process:  python scripts/finetune.py ... (with --lora and --gradient-checkpointing too)
   CPU DDP:      accelerate launch --multi_gpu --num_processes 2 --mixed_precision no scripts/finetune.py ...
                 (gloo; patched and unpatched runs give the same losses and parameters)
-  FSDP on CPU:  refused with an error (accelerate shards only on GPUs and would quietly run DDP instead)
-Not tested yet, pending a GPU: DDP on GPUs, --mixed_precision bf16, FSDP (--use_fsdp --fsdp_version 2).
+  CPU FSDP2:    the same launch with --fsdp (also with --lora and --gradient-checkpointing, and as 2 machines
+                of 1 process on one host): the same losses as DDP, patched or not
+Not tested yet, pending a GPU: DDP or FSDP2 on GPUs, --mixed_precision bf16 with FSDP2.
 """
 
 from __future__ import annotations
@@ -88,6 +98,11 @@ def parse_args(argv: list[str]):
     parser.add_argument("--no-patch", dest="patch", action="store_false", help="train with Hugging Face's own norms")
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter and save only the adapter")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="enable HF gradient checkpointing")
+    parser.add_argument(
+        "--fsdp", action="store_true",
+        help="shard with FSDP2, one unit per decoder layer (by accelerate on GPUs, by torch's fully_shard over "
+        "gloo on CPU, which needs 2+ processes); saved unsharded",
+    )
     parser.add_argument(
         "--metrics-json", type=Path, help="write losses, tokens/s, peak GPU memory and patch counts here"
     )

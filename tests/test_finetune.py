@@ -253,16 +253,6 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, corpus, capsys
     assert not output_dir.exists() and not metrics.exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="accelerate runs FSDP on GPUs")
-def test_fsdp_without_a_gpu_is_refused(tmp_path, corpus, capsys, monkeypatch, fresh_accelerate_state):
-    # What `accelerate launch --use_fsdp` sets; on CPU accelerate would otherwise quietly run DDP.
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    argv = ["--output-dir", str(tmp_path / "out"), "--data", str(corpus), *RUN_ARGS]
-    assert _load_script().main(argv) == 2
-    assert "runs FSDP only on GPUs" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 # --- training runs ----------------------------------------------------------------------------------------
 
 
@@ -292,9 +282,10 @@ def _accelerate() -> list[str]:
     return [accelerate, "launch", "--num_machines", "1", "--dynamo_backend", "no"]
 
 
-def _accelerate_ddp() -> list[str]:
+def _accelerate_ddp(mixed_precision: str = "no") -> list[str]:
+    """``accelerate launch`` of 2 processes on this host (DDP, or FSDP2 with the script's --fsdp)."""
     return [
-        *_accelerate(), "--multi_gpu", "--num_processes", "2", "--mixed_precision", "no",
+        *_accelerate(), "--multi_gpu", "--num_processes", "2", "--mixed_precision", mixed_precision,
         "--main_process_port", str(_free_port()),
     ]
 

@@ -3,14 +3,16 @@
 :func:`finetune` runs the whole job in an order that keeps bad input harmless: everything that can fail on
 the user's input (paths, corpus, model loading, tokenisation, packing, patching) happens before training, and
 nothing is written until training has finished. ``patch_model`` is applied after loading and before
-``accelerator.prepare``, so DDP and FSDP wrap the patched modules.
+``accelerator.prepare``, so DDP and FSDP wrap the patched modules. With ``--fsdp`` the model is sharded with FSDP2
+(``finetune_fsdp``: by accelerate on GPUs, by torch's ``fully_shard`` on CPU) and saved unsharded.
 
 Patched and unpatched runs with the same seed see the same model, the same LoRA initialisation and the same
 batches in the same order, so their per-step losses and final parameters can be compared directly.
 
 The sizes of a run (steps, batch, sequence length) default per device (``finetune_settings.DEFAULTS``): on the
-CPU the kernels run in Triton's interpreter, so a CPU run defaults to a demo that finishes in seconds. A LoRA run saves only the
-adapter, and its ``adapter_config.json`` names a base model that loads on its own (``base_model_reference``).
+CPU the kernels run in Triton's interpreter, so a CPU run defaults to a demo that finishes in seconds. A LoRA
+run saves only the adapter, and its ``adapter_config.json`` names a base model that loads on its own
+(``base_model_reference``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tqdm.auto import tqdm
 
 from ..ops import backend
 from ..patch import PatchReport, UnsupportedModelError, patch_model
+from . import finetune_fsdp
 from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
 from .loading import load_model, looks_like_path
@@ -43,11 +46,13 @@ BASE_MODEL_DIR = "base_model"
 
 @dataclass
 class TrainResult:
-    """Per-step losses (averaged over processes) and wall times of one training run."""
+    """Per-step losses (averaged over processes), wall times and peak GPU memory of one training run."""
 
     losses: list[float]
     step_times_s: list[float]
     tokens_per_step: int
+    # Read when training ends, before the evaluation and the save (which gathers the full model) add theirs.
+    peak_memory_bytes: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,11 +68,12 @@ def describe_run(config: FinetuneConfig, accelerator: Accelerator) -> str:
     tokens = config.max_steps * config.batch_size * n * config.seq_len
     processes = f"{n} process{'es' if n > 1 else ''}"
     precision = "" if accelerator.mixed_precision == "no" else f", {accelerator.mixed_precision} mixed precision"
+    sharding = f", FSDP2 by {'accelerate' if accelerate_shards(accelerator) else 'torch fully_shard'}"
     norms = backend.describe(accelerator.device) if config.patch else "Hugging Face's own (--no-patch)"
     return (
         f"fine-tuning {config.model}{' with LoRA' if config.lora else ''}: {config.max_steps} steps x "
         f"{config.batch_size} sequences x {config.seq_len} tokens x {processes} = {tokens} tokens "
-        f"on {accelerator.device.type}{precision}; norms: {norms}"
+        f"on {accelerator.device.type}{precision}{sharding if config.fsdp else ''}; norms: {norms}"
     )
 
 
@@ -75,13 +81,13 @@ def finetune(config: FinetuneConfig) -> dict:
     """Runs one fine-tuning job on every process of the current launch; returns the metrics."""
     check_output_paths(config.output_dir, config.metrics_json, config.overwrite)
     documents = read_documents(corpus_files(config.data))
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(config.fsdp)
     config = with_device_defaults(config, accelerator.device.type)
     accelerator.print(describe_run(config, accelerator))
     set_seed(config.seed)
 
-    # FSDP shards from CPU; everything else is loaded straight onto its device.
-    device = "cpu" if accelerator.distributed_type == DistributedType.FSDP else accelerator.device
+    # accelerate's FSDP shards from CPU; everything else is loaded straight onto its device.
+    device = "cpu" if accelerate_shards(accelerator) else accelerator.device
     model, tokenizer = load_model(config.model, dtype=torch.float32, device=device, seed=config.seed)
     vocab_size = model.get_input_embeddings().num_embeddings
     if tokenizer is None:
@@ -103,11 +109,11 @@ def finetune(config: FinetuneConfig) -> dict:
     if config.lora:
         model = add_lora(model, config.seed)
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.learning_rate)
     dataloader = make_dataloader(sequences, config.batch_size, config.seed)
-    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+    model, optimizer, dataloader = prepare(accelerator, model, dataloader, config)
     tokens_per_step = config.batch_size * accelerator.num_processes * config.seq_len
     result = train(accelerator, model, optimizer, dataloader, config.max_steps, tokens_per_step)
+    final_loss = evaluate(model, sequences[:1].to(accelerator.device))
 
     base_model = save(accelerator, model, tokenizer, config)
     metrics = {
@@ -119,14 +125,16 @@ def finetune(config: FinetuneConfig) -> dict:
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": accelerator.distributed_type.value,
         "num_processes": accelerator.num_processes,
+        "fsdp": finetune_fsdp.shard_sizes(accelerator, model) if config.fsdp else None,
         "max_steps": config.max_steps,
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
         "tokenizer": "byte-level" if tokenizer is None else type(tokenizer).__name__,
         "losses": result.losses,
+        "final_loss": final_loss,
         "step_times_s": result.step_times_s,
         "tokens_per_s": result.tokens_per_s,
-        "peak_memory_bytes": peak_memory_bytes(accelerator.device),
+        "peak_memory_bytes": result.peak_memory_bytes,
     }
     if config.metrics_json is not None and accelerator.is_main_process:
         write_metrics(config.metrics_json, metrics)
@@ -136,24 +144,38 @@ def finetune(config: FinetuneConfig) -> dict:
     return metrics
 
 
-def make_accelerator() -> Accelerator:
-    """The accelerator for this launch, with multi-process CPU runs turned into real DDP over gloo.
+def make_accelerator(fsdp: bool) -> Accelerator:
+    """The accelerator for this launch: multi-process CPU runs as real DDP over gloo, ``fsdp`` as FSDP2.
 
     ``accelerate launch --multi_gpu`` on a machine without a GPU starts the processes with torchrun, but
     accelerate sets up distributed CPU training only when asked for the CPU explicitly; otherwise every process
-    would silently train alone on all of the data.
+    would silently train alone on all of the data. On GPUs ``fsdp`` hands accelerate an FSDP2 plugin; on CPU
+    accelerate cannot shard, and ``prepare`` shards the model itself.
     """
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    # accelerate's own FSDP flags would configure a second, different sharding (and on CPU quietly run DDP).
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        raise FinetuneInputError(
+            "accelerate launch --use_fsdp (or an accelerate config with FSDP) is not supported: launch without it "
+            "and pass --fsdp to finetune.py, which sets up FSDP2 itself"
+        )
+    gpu = torch.cuda.is_available()
+    if fsdp and gpu:
+        finetune_fsdp.use_one_process_group()
+    accelerator = Accelerator(cpu=not gpu, fsdp_plugin=finetune_fsdp.accelerate_plugin() if fsdp and gpu else None)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != world_size:
         raise RuntimeError(f"launched {world_size} processes but accelerate set up {accelerator.num_processes}")
-    # accelerate ignores --use_fsdp where it cannot shard (on CPU it quietly runs DDP): say so instead.
-    if parse_flag_from_env("ACCELERATE_USE_FSDP") and accelerator.distributed_type != DistributedType.FSDP:
+    if fsdp and not gpu and accelerator.num_processes < 2:
         raise FinetuneInputError(
-            f"--use_fsdp asked for, but accelerate set up {accelerator.distributed_type.value}: it runs FSDP only "
-            "on GPUs; without one, launch with --multi_gpu (DDP over gloo)"
+            "--fsdp on CPU needs at least 2 processes (accelerate launch --multi_gpu --num_processes N): one "
+            "process has nothing to shard"
         )
     return accelerator
+
+
+def accelerate_shards(accelerator: Accelerator) -> bool:
+    """Whether accelerate shards the model (FSDP2 on GPUs); otherwise ``--fsdp`` runs are sharded by ``prepare``."""
+    return accelerator.distributed_type == DistributedType.FSDP
 
 
 def check_output_paths(output_dir: Path, metrics_json: Path | None, overwrite: bool = False) -> None:
@@ -202,6 +224,29 @@ def add_lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return get_peft_model(model, lora_config)
 
 
+def prepare(
+    accelerator: Accelerator, model: torch.nn.Module, dataloader: DataLoader, config: FinetuneConfig
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, DataLoader]:
+    """The model (wrapped for DDP, or sharded with FSDP2 under ``--fsdp``), its AdamW optimizer over the
+    trainable parameters, and the dataloader sharded over the processes."""
+    if config.fsdp and not accelerate_shards(accelerator):
+        # accelerate would wrap the model in DDP: shard it here instead and prepare only the rest. The optimizer
+        # is made after sharding, over the DTensor shards.
+        model = finetune_fsdp.shard(model, accelerator.mixed_precision)
+        optimizer, dataloader = accelerator.prepare(make_optimizer(model, config.learning_rate), dataloader)
+        return model, optimizer, dataloader
+    # accelerate swaps the optimizer over to the parameters it wraps or shards.
+    model, optimizer, dataloader = accelerator.prepare(model, make_optimizer(model, config.learning_rate), dataloader)
+    if config.fsdp:
+        finetune_fsdp.check_sharded(model)
+    return model, optimizer, dataloader
+
+
+def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (LoRA freezes the base model's)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
 def make_dataloader(sequences: torch.Tensor, batch_size: int, seed: int) -> DataLoader:
     """Shuffled full batches; the seeded generator makes the order the same in every run with this seed."""
     generator = torch.Generator().manual_seed(seed)
@@ -240,7 +285,18 @@ def train(
             tokens_per_s = tokens_per_step / result.step_times_s[-1]
             bar.set_postfix(loss=f"{result.losses[-1]:.4f}", tok_s=f"{tokens_per_s:.0f}")
             bar.update()
+    result.peak_memory_bytes = peak_memory_bytes(accelerator.device)
     return result
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
+    """The trained model's mean loss on ``input_ids`` (the same on every process: under FSDP all of them must run
+    the forward), in eval mode; recorded so that a reloaded checkpoint can be checked against it."""
+    model.eval()
+    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    model.train()
+    return loss
 
 
 def _cycle(dataloader: DataLoader) -> Iterator[torch.Tensor]:
@@ -259,7 +315,7 @@ def save(accelerator: Accelerator, model: torch.nn.Module, tokenizer, config: Fi
     """
     accelerator.wait_for_everyone()
     # A collective under FSDP (it gathers the shards onto the main process): every process must call it.
-    state_dict = accelerator.get_state_dict(model)
+    state_dict = finetune_fsdp.full_state_dict(model) if config.fsdp else accelerator.get_state_dict(model)
     unwrapped = accelerator.unwrap_model(model)
     # (model, directory, state dict) for each save_pretrained, the base model first: PEFT reads its config
     # when it saves the adapter.

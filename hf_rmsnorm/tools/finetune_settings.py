@@ -39,6 +39,7 @@ class FinetuneConfig:
     patch: bool = True
     lora: bool = False
     gradient_checkpointing: bool = False
+    fsdp: bool = False
     metrics_json: Path | None = None
     overwrite: bool = False
 
