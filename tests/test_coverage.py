@@ -45,3 +45,52 @@ def test_runs_in_chunks_build_one_page(tmp_path):
     assert "| llama | LlamaForCausalLM | fused |" in page and "| bert | BertLMHeadModel | skipped |" in page
     assert page.count("| llama |") == 1
     assert len(coverage.read(out)) == 2
+
+
+def test_mla_config_shrinks_consistently_and_builds():
+    """DeepSeek-V3 (MLA, dense layers before MoE ones) could not be built before its derived head dims were
+    derived again from the shrunk ones."""
+    config = coverage._tiny_config("deepseek_v3")
+    assert config.qk_head_dim == config.qk_nope_head_dim + config.qk_rope_head_dim
+    assert config.num_key_value_heads == config.num_attention_heads  # MLA: one key per query head, as the default
+    assert (config.num_hidden_layers, config.first_k_dense_replace) == (2, 1)  # one dense layer, one MoE layer
+    result = coverage.check_model_type("deepseek_v3", coverage.causal_lm_types()["deepseek_v3"], 120)
+    assert result.verdict in ("fused", "norms only"), result.reason
+    assert result.uses_rmsnorm and result.rmsnorm_in_code
+
+
+def test_per_layer_fields_follow_the_layers_kept():
+    config = coverage._tiny_config("gemma4_text")  # heterogeneous: per-layer overrides, cut with the layers
+    assert config.num_hidden_layers == 2 and config.layer_types == ["sliding_attention", "full_attention"]
+    shared = coverage._tiny_config("gemma4_assistant").text_config  # every layer shares the KV cache handed in
+    assert shared.num_kv_shared_layers == shared.num_hidden_layers <= coverage.MAX_LAYERS
+
+
+def test_rmsnorm_in_modeling_code():
+    types = coverage.causal_lm_types()
+    assert coverage.modeling_has_rmsnorm("llama", types["llama"])
+    assert not coverage.modeling_has_rmsnorm("bert", types["bert"])
+    assert coverage.modeling_has_rmsnorm("sarvam_mla", types["sarvam_mla"])  # DeepSeek-V3's classes, no module
+    assert coverage.modeling_has_rmsnorm("gemma4_assistant", types["gemma4_assistant"])  # its text model's
+
+
+def test_headline_counts_unbuilt_rmsnorm_types():
+    results = [
+        coverage.Coverage("a", "A", "fused", uses_rmsnorm=True, rmsnorm_in_code=True),
+        coverage.Coverage("b", "B", "skipped", uses_rmsnorm=False, rmsnorm_in_code=False),
+        coverage.Coverage("c", "C", "not built", rmsnorm_in_code=True),
+        coverage.Coverage("d", "D", "not built", rmsnorm_in_code=False),
+    ]
+    line = coverage.headline(results)
+    assert "1 of the 2 model types that use an RMSNorm are patched with parity (50%)" in line
+    assert "could not be built here" in line and ": c." in line and "2 model types use none" in line
+    page = coverage.render(results, "0")
+    assert "| c | C | not built | in its code |" in page and "| d | D | not built | not in its code |" in page
+
+
+def test_a_norm_class_with_and_without_a_weight_is_patched_per_instance():
+    """Gemma 4 makes its value norms with ``with_scale=False`` (no weight) and its other norms of the same class
+    with one: each instance gets the kind of its own numerics (a shared one read a weight that is not there)."""
+    result = coverage.check_model_type("gemma4_text", coverage.causal_lm_types()["gemma4_text"], 60)
+    assert result.verdict in ("fused", "norms only"), result.reason
+    assert result.fp32_max_err <= coverage.FP32_TOLERANCE
