@@ -12,7 +12,8 @@ So instead of a list of class names:
   indistinguishable, yet they differ once trained), on rows of ordinary, tiny, large and outlier magnitudes, in
   every input dtype a model of that dtype feeds it (its own, fp32, bf16). The first mode that reproduces every
   probe bit for bit is the module's; a module no mode reproduces is left alone with the reason. The answer
-  depends only on the class and the dtypes, so each is probed once per ``patch_model`` call.
+  depends only on the class, the dtypes and whether the instance has a weight (Gemma 4 makes its value norms
+  without one), so each combination is probed once per ``patch_model`` call.
 * **Layers and stacks by their code.** A class whose ``forward`` is, token for token, the ``forward`` of a class
   the registry describes (decorators included, docstrings, comments and layout ignored) computes what that class
   computes from attributes of the same names, so it gets that class's kinds. The patcher still checks each
@@ -97,7 +98,7 @@ class NormRecogniser:
             return NormVerdict(None, problem)
         weight = getattr(module, "weight", None)
         eps_attr = next(a for a in EPS_ATTRS if _is_number(getattr(module, a, None)))
-        key = (cls, eps_attr, dtype if weight is None else weight.dtype)
+        key = (cls, eps_attr, dtype if weight is None else weight.dtype, weight is None)
         if key not in self._verdicts:
             self._verdicts[key] = _probe(cls, module, eps_attr, key[2])
         return self._verdicts[key]
