@@ -108,3 +108,25 @@ def test_the_interpreter_refuses_a_numpy_its_triton_cannot_run_with():
     assert backend.interpreter_problem((3, 6), (2, 3)) is None
     assert backend.interpreter_problem((3, 7), (2, 5)) is None
     assert backend._version("2.4.0rc1") == (2, 4) and backend._version("3.10.0+git") == (3, 10)
+
+
+def test_the_oldest_releases_tested_are_pyprojects_lower_bounds():
+    """The second half of the README's test command installs .ci/oldest.txt: its pins must be the lower bounds
+    pyproject.toml states, or the range it claims is not the range tested."""
+    import re
+    import tomllib
+
+    from packaging.version import Version
+
+    root = PACKAGE.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    lower_bounds = dict(re.match(r"([\w-]+)>=([\d.]+)", r).groups() for r in requirements if ">=" in r)
+    pins = dict(re.match(r"([\w-]+)==([\d.]+)", line).groups()
+                for line in (root / ".ci" / "oldest.txt").read_text().splitlines() if "==" in line)
+    for name, pinned in pins.items():
+        if name in lower_bounds:
+            assert Version(pinned) == Version(lower_bounds[name]), (name, pinned, lower_bounds[name])
+    # torch: see the file; the test tools and optional extras are not part of what is claimed to work.
+    claimed = set(lower_bounds) - {"torch", "pytest", "pytest-timeout", "pytest-xdist", "gguf", "matplotlib"}
+    assert claimed <= set(pins), claimed - set(pins)
