@@ -363,11 +363,21 @@ def _packages(model_type: str) -> set[Path]:
         if package in packages:
             continue
         packages.add(package)
-        for spec in getattr(CONFIG_MAPPING[current], "sub_configs_defaults", {}).values():
-            sub = spec.model_type or getattr(spec.config_class, "model_type", None)
-            if sub in CONFIG_MAPPING:
-                todo.append(sub)
+        todo.extend(sub for sub in _sub_config_types(CONFIG_MAPPING[current]) if sub in CONFIG_MAPPING)
     return packages
+
+
+def _sub_config_types(config_class: type) -> list[str | None]:
+    """The model types of a config class's sub-configs: declared (transformers >= 5.24), else those of its default
+    instance (before, a sub-config declared as ``AutoConfig`` named no type)."""
+    declared = getattr(config_class, "sub_configs_defaults", None)
+    if declared is not None:
+        return [spec.model_type or getattr(spec.config_class, "model_type", None) for spec in declared.values()]
+    try:
+        default = config_class()
+    except Exception:  # a default its own validation refuses: no sub-config to follow
+        return []
+    return [getattr(getattr(default, name, None), "model_type", None) for name in getattr(default, "sub_configs", {})]
 
 
 def modeling_has_rmsnorm(model_type: str, class_name: str) -> bool:
