@@ -73,5 +73,6 @@ def test_summary_reports_the_scripts_figures():
     assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 2.00x |" in text
     assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
     assert "| decode tokens/s | 80.0 | 100.0 | 1.250x |" in text
+    assert "### train-1b: m, 1 x 2048 tokens, bf16 mixed precision, 3 steps" in text
     assert "Patched step speedup: 1.200x" in text
     assert "| prefill-1b | timed out after 80 s |" in text

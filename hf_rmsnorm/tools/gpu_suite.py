@@ -64,8 +64,9 @@ def _bench(name: str, what: str, limit_s: int, dtype: str, rows: str, hidden: st
     )
 
 
-def _generate(name: str, what: str, limit_s: int, model: str, *extra: str) -> Section:
-    common = ("{py}", "scripts/verify.py", "--dtype", "bf16", "--json", f"{{work}}/{name}.json")
+def _generate(name: str, what: str, limit_s: int, model: str, *extra: str, compiled: bool = False) -> Section:
+    common = ("{py}", "scripts/verify.py", "--dtype", "bf16", "--json", f"{{work}}/{name}.json",
+              *(("--compile",) if compiled else ()))
     return Section(
         name, what, limit_s,
         (*common, "--model", model, "--device", "cuda", *extra),
@@ -76,17 +77,23 @@ def _generate(name: str, what: str, limit_s: int, model: str, *extra: str) -> Se
 
 
 def _train(name: str, limit_s: int, *extra: str) -> Section:
-    def launch(precision: str, model: str, sizes: tuple[str, ...]) -> tuple[str, ...]:
-        return ("{py}", "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-                "--mixed_precision", precision, "--dynamo_backend", "no", "scripts/finetune.py", "--model", model,
-                *sizes, "--output-dir", f"{{work}}/{name}", "--metrics-json", f"{{work}}/{name}.json", *extra)
+    fsdp = "--fsdp" in extra
+
+    def launch(precision: str, model: str, sizes: tuple[str, ...], processes: int) -> tuple[str, ...]:
+        # Several CPU processes run as DDP (or FSDP2) over gloo only when launched as --multi_gpu.
+        multi = ("--multi_gpu",) if processes > 1 else ()
+        return ("{py}", "-m", "accelerate.commands.launch", *multi, "--num_processes", str(processes),
+                "--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no",
+                "scripts/finetune.py", "--model", model, *sizes, "--output-dir", f"{{work}}/{name}",
+                "--metrics-json", f"{{work}}/{name}.json", *extra)
 
     return Section(
         name, f"training steps, llama-3.2-1b-shape, bf16 mixed precision, 1 x 2048 tokens{' ' if extra else ''}"
         f"{' '.join(extra)}", limit_s,
         launch("bf16", "llama-3.2-1b-shape", ("--seq-len", "2048", "--batch-size", "1", "--max-steps",
-                                              str(TRAIN_STEPS))),
-        launch("no", "tiny-llama", ("--seq-len", "16", "--batch-size", "1", "--max-steps", "2")),
+                                              str(TRAIN_STEPS)), 1),
+        # FSDP2 on CPU needs two processes (one has nothing to shard); on a GPU one process is a group of one.
+        launch("no", "tiny-llama", ("--seq-len", "16", "--batch-size", "1", "--max-steps", "2"), 2 if fsdp else 1),
         (f"{name}.json",),
     )
 
@@ -118,6 +125,8 @@ SECTIONS: tuple[Section, ...] = (
              "2")),
     _train("train-1b-patched", 100),
     _train("train-1b-unpatched", 100, "--no-patch"),
+    _generate("generate-1b-compiled", "generate() compiled (static cache, CUDA graphs), llama-3.2-1b-shape, bf16, "
+              "batch 1, 128-token prompt, 256 new tokens", 240, "llama-3.2-1b-shape", compiled=True),
     _generate("generate-8b", "generate(), llama-3-8b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 150,
               "llama-3-8b-shape"),
     _bench("kernels-fp16", "fused add + RMSNorm bandwidth, fp16, 16384 rows", 60,
@@ -126,6 +135,8 @@ SECTIONS: tuple[Section, ...] = (
               "llama-3.2-1b-shape", "--prompt-len", "2048", "--max-new-tokens", "4"),
     _bench("kernels-compile", "fused add + RMSNorm against torch.compile of HF's norm, bf16, 16384 rows", 90,
            "bf16", "16384", "4096 8192", "hf_rmsnorm torch_compile", "fwd bwd"),
+    _train("train-1b-fsdp-patched", 100, "--fsdp"),
+    _train("train-1b-fsdp-unpatched", 100, "--fsdp", "--no-patch"),
 )
 
 

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
 LAUNCH_LINE_PREFIXES = ("launch cost", "  rows")
+# Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other.
+TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -77,14 +79,15 @@ def _step_seconds(metrics: dict) -> float:
     return statistics.median(times)
 
 
-def train_lines(patched: dict | None, unpatched: dict | None) -> list[str]:
+def train_lines(name: str, patched: dict | None, unpatched: dict | None) -> list[str]:
     """Median step time (first step left out), tokens/s and peak memory, patched against ``--no-patch``."""
     runs = [(label, m) for label, m in (("patched", patched), ("unpatched", unpatched)) if m]
     if not runs:
         return []
     first = runs[0][1]
-    lines = [f"### training: {first['model']}, {first['batch_size']} x {first['seq_len']} tokens, "
-             f"{first['mixed_precision']} mixed precision, {first['max_steps']} steps", ""]
+    sharding = ", FSDP2" if first.get("fsdp") else ""
+    lines = [f"### {name}: {first['model']}, {first['batch_size']} x {first['seq_len']} tokens, "
+             f"{first['mixed_precision']} mixed precision{sharding}, {first['max_steps']} steps", ""]
     rows = [(label, f"{_step_seconds(m) * 1e3:.1f}", f"{m['tokens_per_s']:.0f}",
              f"{(m['peak_memory_bytes'] or 0) / 2**30:.2f}", f"{m['losses'][0]:.4f} -> {m['losses'][-1]:.4f}")
             for label, m in runs]
@@ -115,8 +118,9 @@ def summary(outcomes: list[Outcome], toy: bool) -> str:
                 lines += ["Host and GPU time per decode-sized call:", "", "```", *launch, "```", ""]
         if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
             lines += generate_lines(name, report)
-    lines += train_lines(data.get("train-1b-patched", {}).get("train-1b-patched"),
-                         data.get("train-1b-unpatched", {}).get("train-1b-unpatched"))
+    for pair in TRAIN_PAIRS:
+        patched, unpatched = f"{pair}-patched", f"{pair}-unpatched"
+        lines += train_lines(pair, data.get(patched, {}).get(patched), data.get(unpatched, {}).get(unpatched))
     return "\n".join(lines)
 
 
