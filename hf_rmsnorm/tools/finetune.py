@@ -140,6 +140,9 @@ def finetune(config: FinetuneConfig) -> dict:
         write_metrics(config.metrics_json, metrics)
     adapter = "" if base_model is None else f" (LoRA adapter on base model {base_model})"
     accelerator.print(f"saved to {config.output_dir}{adapter}; {result.tokens_per_s:.0f} tokens/s")
+    # Every process reaches the end before any tears the process group down: a gloo rank that destroyed it while
+    # the main process was still writing was seen to abort at exit ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
 
