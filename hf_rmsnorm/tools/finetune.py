@@ -140,9 +140,13 @@ def finetune(config: FinetuneConfig) -> dict:
         write_metrics(config.metrics_json, metrics)
     adapter = "" if base_model is None else f" (LoRA adapter on base model {base_model})"
     accelerator.print(f"saved to {config.output_dir}{adapter}; {result.tokens_per_s:.0f} tokens/s")
-    # Every process reaches the end before any tears the process group down: a gloo rank that destroyed it while
-    # the main process was still writing was seen to abort at exit ("terminate called without an active exception").
+    # Teardown in order, every process together: first the model, optimizer and dataloader (and their reference
+    # cycles), which hold the process group through FSDP2's device mesh, then the group. A group left to die during
+    # interpreter exit takes gloo's worker threads down with it, and a CPU FSDP2 rank was seen to abort there now
+    # and then ("terminate called without an active exception") after a run that had saved everything.
     accelerator.wait_for_everyone()
+    del model, optimizer, dataloader
+    accelerator.free_memory()
     accelerator.end_training()
     return metrics
 
