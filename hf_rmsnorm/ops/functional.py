@@ -39,7 +39,7 @@ def _fake_forward(x, residual, weight, bias, eps, mode):
     # The same error while torch.compile traces as when the real implementation runs.
     check_forward(x, residual, weight, bias, eps)
     m = get_mode(mode)
-    norm_dtype = sum_dtype(x, residual)
+    norm_dtype = sum_dtype(x.dtype, dtype_of(residual))
     y = x.new_empty(x.shape, dtype=m.output_dtype(norm_dtype, weight, bias))
     stats = x.new_empty(m.stats_shape(x.shape), dtype=m.compute_dtype(norm_dtype))
     return y, x.new_empty(x.shape, dtype=norm_dtype), stats

@@ -14,7 +14,7 @@ import triton
 
 from .fast_launch import CachedLauncher
 from .kernels import norm_bwd_kernel, norm_fwd_kernel
-from .modes import Mode, dtype_of, get_mode
+from .modes import Mode, dtype_of, get_mode, sum_dtype
 
 # Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
 # The backward keeps more values live per element (dy, n, g and the weight-gradient accumulator).
@@ -119,7 +119,7 @@ def _forward_plan(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weig
     A pure function of its arguments, cached because decode repeats a handful of combinations and is host-bound:
     computing them costs several microseconds, looking them up a fraction of one."""
     m = get_mode(mode)
-    norm_dtype = x_dtype if residual_dtype is None else torch.promote_types(x_dtype, residual_dtype)
+    norm_dtype = sum_dtype(x_dtype, residual_dtype)
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
     constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                       HAS_BIAS=bias_dtype is not None, **m.kernel_flags,

@@ -65,8 +65,7 @@ class Mode:
         self, norm_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None
     ) -> torch.dtype:
         """The dtype Hugging Face's module returns for an input of ``norm_dtype``."""
-        return self.output_dtype_of(norm_dtype, None if weight is None else weight.dtype,
-                                    None if bias is None else bias.dtype)
+        return self.output_dtype_of(norm_dtype, dtype_of(weight), dtype_of(bias))
 
     # Cached: torch.promote_types is an aten op, dispatched on every call (host time at decode sizes).
     @functools.lru_cache(maxsize=None)
@@ -108,9 +107,9 @@ def get_mode(name: str) -> Mode:
     return mode
 
 
-def sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
-    """The dtype of the norm's input: ``residual + x`` as torch promotes it, or ``x``'s."""
-    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+def sum_dtype(x_dtype: torch.dtype, residual_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of the norm's input: ``residual + x`` as torch promotes it, or ``x``'s (no residual: None)."""
+    return x_dtype if residual_dtype is None else torch.promote_types(x_dtype, residual_dtype)
 
 
 def dtype_of(t: torch.Tensor | None) -> torch.dtype | None:

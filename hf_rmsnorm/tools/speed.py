@@ -76,7 +76,8 @@ def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, p
 
 
 def measure_generate(
-    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int, *, compiled: bool = False
+    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int, *,
+    compile_on: str | None = None,
 ) -> SpeedFigures:
     """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model (see module docstring).
 
@@ -86,7 +87,7 @@ def measure_generate(
         new_tokens: tokens to generate per row; at least 2 (decode is the part after the first).
         repeats: timed runs per figure; the median is reported.
         pad_id: pad token for ``generate``.
-        compiled: transformers' compiled generation (static cache, ``torch.compile`` with CUDA graphs); the
+        compile_on: ``"cuda"`` for transformers' compiled generation (``workload.generation_config``); the
             warm-up run compiles and captures.
 
     Returns:
@@ -97,7 +98,6 @@ def measure_generate(
     if new_tokens < 2:
         raise ValueError("decode timing needs new_tokens >= 2")
     batch, prompt_len = prompts.input_ids.shape
-    compile_on = "cuda" if compiled else None
     _timed_generate(model, prompts, new_tokens, pad_id, compile_on)
     device = prompts.input_ids.device
     torch.cuda.reset_peak_memory_stats(device)

@@ -216,19 +216,18 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
         tokenizer, vocab_size, config.batch_size, config.prompt_len, pad_id, left_pad=False, device=device
     ) if on_gpu else None
 
+    compile_on = device.type if config.compile else None
     compiled = " (compiled)" if config.compile else ""
 
     def generation(label: str) -> workload.Generation:
         with step(f"{label}: up to {new_tokens} greedy tokens per row{compiled}"):
-            return workload.greedy_tokens(model, prompts, new_tokens, pad_id,
-                                          compile_on=device.type if config.compile else None)
+            return workload.greedy_tokens(model, prompts, new_tokens, pad_id, compile_on=compile_on)
 
     def timing(label: str):
         if not on_gpu:
             return None
         with step(f"{label} model: timing generate(){compiled}, {config.repeats} repeats"):
-            return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id,
-                                    compiled=config.compile)
+            return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id, compile_on=compile_on)
 
     # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
     with step("unpatched model: logits, recording every norm's input and output"):
@@ -282,7 +281,7 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
             "parity_prompts": "chat" if questions else "passage",
             "parity_prompt_len": int(prompts.input_ids.shape[1]), "prompt_len": config.prompt_len,
             "max_new_tokens": new_tokens, "repeats": config.repeats if on_gpu else None, "seed": config.seed,
-            "compile": workload.COMPILE_MODES[device.type] if config.compile else None,
+            "compile": workload.COMPILE_MODES.get(compile_on),
         },
         "environment": {
             "hf_rmsnorm": hf_rmsnorm.__version__, "torch": torch.__version__,
