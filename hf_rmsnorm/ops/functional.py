@@ -1,11 +1,20 @@
 """Public functional API: ``rms_norm`` and ``fused_add_rms_norm``, differentiable and torch.compile-able.
 
-The forwards are registered as ``torch.library`` custom ops (with fake implementations), so
-``torch.compile(fullgraph=True)`` traces them as single opaque nodes. Eagerly, the custom-op dispatcher costs
-several times a decode-sized kernel launch on the host, so eager calls skip it: an ``autograd.Function`` built
-from the same forward, context and backward functions when a gradient is needed, and a direct call otherwise
-(``generate()`` runs under ``no_grad``). The backward likewise calls its implementation directly unless
-``torch.compile`` is tracing it.
+The forwards and the backward are registered twice with ``torch.library``, under one schema:
+
+* as custom ops (``hf_rmsnorm::rms_norm_fwd``...) with fake implementations: ``torch.compile(fullgraph=True)``
+  traces each as one opaque node, which calls the Python implementation when the graph runs;
+* as Triton ops (``hf_rmsnorm::rms_norm_fwd_triton``...): ``torch.compile`` traces into them, down to the kernel
+  launches (``wrap_triton`` in ``launch.py``), so inductor launches the kernels from its own generated code,
+  without the custom-op dispatch and the Python around it, and captures them in CUDA graphs with the rest.
+
+A compiled call on a GPU uses the Triton ops; elsewhere the custom ops, which the interpreter's kernels and the
+PyTorch implementation need (neither is a compiled Triton kernel inductor could launch).
+
+Eagerly, the custom-op dispatcher costs several times a decode-sized kernel launch on the host, so eager calls
+skip it: an ``autograd.Function`` built from the same forward, context and backward functions when a gradient is
+needed, and a direct call otherwise (``generate()`` runs under ``no_grad``). The backward likewise calls its
+implementation directly unless a graph is being traced.
 
 ``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
 interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
@@ -15,13 +24,15 @@ every eager, autograd and custom-op call goes through, and in the fake implement
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
 
 from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
-from .launch import norm_backward, norm_forward
+from .launch import is_traced, norm_backward, norm_forward
 from .modes import dtype_of, get_mode, sum_dtype
 
 
@@ -45,6 +56,14 @@ def _fake_forward(x, residual, weight, bias, eps, mode):
     return y, x.new_empty(x.shape, dtype=norm_dtype), stats
 
 
+def _define(name: str, impl) -> Any:
+    """Defines ``impl`` as the Triton op ``hf_rmsnorm::<name>_triton`` (whose fake implementation is ``impl`` itself:
+    on fake tensors it records its launches and allocates its outputs) and as the custom op ``hf_rmsnorm::<name>``,
+    which it returns for its fake implementation to be registered."""
+    torch.library.triton_op(f"hf_rmsnorm::{name}_triton", impl, mutates_args=())
+    return torch.library.custom_op(f"hf_rmsnorm::{name}", impl, mutates_args=())
+
+
 def _rms_norm_impl(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor]:
@@ -52,7 +71,7 @@ def _rms_norm_impl(
     return y, stats
 
 
-_rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_fwd", mutates_args=())(_rms_norm_impl)
+_rms_norm_fwd = _define("rms_norm_fwd", _rms_norm_impl)
 
 
 @_rms_norm_fwd.register_fake
@@ -67,7 +86,7 @@ def _add_rms_norm_impl(
     return _forward(x, residual, weight, bias, eps, mode)
 
 
-_add_rms_norm_fwd = torch.library.custom_op("hf_rmsnorm::add_rms_norm_fwd", mutates_args=())(_add_rms_norm_impl)
+_add_rms_norm_fwd = _define("add_rms_norm_fwd", _add_rms_norm_impl)
 
 
 @_add_rms_norm_fwd.register_fake
@@ -94,7 +113,7 @@ def _rms_norm_add_impl(
     return _rms_norm_add(x, residual, weight, bias, eps, mode)
 
 
-_rms_norm_add_fwd = torch.library.custom_op("hf_rmsnorm::rms_norm_add_fwd", mutates_args=())(_rms_norm_add_impl)
+_rms_norm_add_fwd = _define("rms_norm_add_fwd", _rms_norm_add_impl)
 
 
 @_rms_norm_add_fwd.register_fake
@@ -133,7 +152,7 @@ def _rms_norm_bwd_impl(
     return tuple(dx.new_empty(0) if t is None else t for t in (dx, dres, dweight, dbias))
 
 
-_rms_norm_bwd = torch.library.custom_op("hf_rmsnorm::rms_norm_bwd", mutates_args=())(_rms_norm_bwd_impl)
+_rms_norm_bwd = _define("rms_norm_bwd", _rms_norm_bwd_impl)
 
 
 @_rms_norm_bwd.register_fake
@@ -158,11 +177,15 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
     if dy is None:
         y_dtype = get_mode(ctx.mode).output_dtype(norm_input.dtype, weight, None)
         dy = norm_input.new_zeros(norm_input.shape, dtype=y_dtype)
-    # The custom op only where it is needed: under torch.compile, and for tensor subclasses (fake tensors while
-    # a graph is traced, DTensors), which its dispatch unwraps. Otherwise its dispatch costs about 250 us of host
-    # time per call (measured on an H200 host), several times the kernel itself at training sizes.
+    # An operator only where one is needed: while a graph is traced (torch.compile, whose backward may be traced
+    # outside Dynamo, on fake or functional tensors) and for other tensor subclasses (DTensors), which the custom
+    # op's dispatch unwraps. Otherwise its dispatch costs about 250 us of host time per call (measured on an H200
+    # host), several times the kernel itself at training sizes.
     plain = type(dy) is Tensor and type(norm_input) is Tensor and (dsum is None or type(dsum) is Tensor)
-    backward = _rms_norm_bwd_impl if plain and not torch.compiler.is_compiling() else torch.ops.hf_rmsnorm.rms_norm_bwd
+    if torch.compiler.is_compiling() or is_traced(norm_input):
+        backward = _traced_ops(norm_input).backward
+    else:
+        backward = _rms_norm_bwd_impl if plain else _CUSTOM_OPS.backward
     dx, dres, dweight, dbias = backward(
         dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
     )
@@ -209,13 +232,35 @@ def _rms_norm_add_backward(ctx, dout, _dstats):
     return dx, dres, dweight, dbias, None, None
 
 
-torch.library.register_autograd("hf_rmsnorm::rms_norm_fwd", _rms_norm_backward, setup_context=_rms_norm_setup)
-torch.library.register_autograd(
-    "hf_rmsnorm::rms_norm_add_fwd", _rms_norm_add_backward, setup_context=_rms_norm_add_setup
-)
-torch.library.register_autograd(
-    "hf_rmsnorm::add_rms_norm_fwd", _add_rms_norm_backward, setup_context=_add_rms_norm_setup
-)
+def _register_autograd(name: str, backward, setup) -> None:
+    """The same autograd formula for both of ``_define``'s operators."""
+    for op in (name, f"{name}_triton"):
+        torch.library.register_autograd(f"hf_rmsnorm::{op}", backward, setup_context=setup)
+
+
+_register_autograd("rms_norm_fwd", _rms_norm_backward, _rms_norm_setup)
+_register_autograd("rms_norm_add_fwd", _rms_norm_add_backward, _rms_norm_add_setup)
+_register_autograd("add_rms_norm_fwd", _add_rms_norm_backward, _add_rms_norm_setup)
+
+
+class _Ops(NamedTuple):
+    """The operators of one registration that compiled calls record."""
+
+    rms_norm: Any
+    add_rms_norm: Any
+    rms_norm_add: Any
+    backward: Any
+
+
+_OP_NAMES = ("rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd", "rms_norm_bwd")
+_CUSTOM_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, name) for name in _OP_NAMES))
+_TRITON_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, f"{name}_triton") for name in _OP_NAMES))
+
+
+def _traced_ops(t: Tensor) -> _Ops:
+    """The operators a traced call on ``t`` records: the Triton ops on a GPU, where inductor can launch the
+    compiled kernels itself; the opaque custom ops elsewhere (interpreted kernels, the PyTorch implementation)."""
+    return _TRITON_OPS if t.is_cuda else _CUSTOM_OPS
 
 
 def _autograd_function(name: str, impl, setup, backward) -> type:
@@ -277,7 +322,7 @@ def rms_norm(
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
     if torch.compiler.is_compiling():
-        return torch.ops.hf_rmsnorm.rms_norm_fwd(x, weight, bias, eps, mode)[0]
+        return _traced_ops(x).rms_norm(x, weight, bias, eps, mode)[0]
     if _needs_autograd(x, weight, bias):
         return _RmsNormFunction.apply(x, weight, bias, eps, mode)[0]
     return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
@@ -307,7 +352,7 @@ def fused_add_rms_norm(
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
     if torch.compiler.is_compiling():
-        y, new_residual, _ = torch.ops.hf_rmsnorm.add_rms_norm_fwd(x, residual, weight, bias, eps, mode)
+        y, new_residual, _ = _traced_ops(x).add_rms_norm(x, residual, weight, bias, eps, mode)
     elif _needs_autograd(x, residual, weight, bias):
         y, new_residual, _ = _AddRmsNormFunction.apply(x, residual, weight, bias, eps, mode)
     else:
@@ -337,7 +382,7 @@ def rms_norm_add(
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
     eps = float(eps)
     if torch.compiler.is_compiling():
-        return torch.ops.hf_rmsnorm.rms_norm_add_fwd(x, residual, weight, bias, eps, mode)[0]
+        return _traced_ops(x).rms_norm_add(x, residual, weight, bias, eps, mode)[0]
     if _needs_autograd(x, residual, weight, bias):
         return _RmsNormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
     return _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=False)[0]

@@ -11,6 +11,9 @@ from typing import NamedTuple
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher
 from .kernels import norm_bwd_kernel, norm_fwd_kernel
@@ -44,12 +47,26 @@ def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
 _LAUNCHERS: dict[object, CachedLauncher] = {}
 
 
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` stands for a tensor while torch.compile traces a graph (fake or functional), rather than holding
+    data: the kernels' launches are then recorded in the graph instead of run."""
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
-    """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``, through its ``CachedLauncher``."""
+    """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)`` on the first tensor's GPU, through the kernel's
+    ``CachedLauncher``. While a graph is traced, ``kernel`` is the caller's ``wrap_triton(<kernel>)``, which records
+    the launch in the graph, for inductor to make from its own code. The callers spell that call out with the
+    kernel's name: torch finds a Triton op's kernels, which its compile caches key on, by reading the op's source
+    for such calls."""
+    if is_traced(args[0]):
+        kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
+        return
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         launcher = _LAUNCHERS[kernel] = CachedLauncher(kernel)
-    launcher(grid, args, constexprs, num_warps)
+    with _on_device(args[0]):
+        launcher(grid, args, constexprs, num_warps)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -157,22 +174,23 @@ def norm_forward(
 
     x2, stride_x = _as_rows(x, n_cols)
     added = residual if residual_after is None else residual_after
-    r2, stride_r = (x2, stride_x) if added is None else _as_rows(added, n_cols)
+    # A pointer the kernel does not touch is None: no tensor reaches it twice, so a traced graph's outputs cannot
+    # be confused with one another (torch.compile clones each tensor a traced kernel writes, one by one).
+    r2, stride_r = (None, 0) if added is None else _as_rows(added, n_cols)
     # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
     # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
-    with _on_device(x):
-        _launch(
-            norm_fwd_kernel, _cdiv(n_rows, plan.block_m),
-            (x2, r2, weight, bias, y, y if new_residual is None else new_residual, stats,
-             n_rows, n_cols,
-             stride_x, stride_r, n_cols, n_cols,
-             eps),
-            plan.constexprs,
-            plan.num_warps,
-        )
+    _launch(
+        wrap_triton(norm_fwd_kernel) if is_traced(x) else norm_fwd_kernel, _cdiv(n_rows, plan.block_m),
+        (x2, r2, weight, bias, y, new_residual, stats,
+         n_rows, n_cols,
+         stride_x, stride_r, n_cols, n_cols,
+         eps),
+        plan.constexprs,
+        plan.num_warps,
+    )
     return y, new_residual, stats
 
 
@@ -215,18 +233,17 @@ def norm_backward(
     s2, stride_s = _as_rows(norm_input, n_cols)
     weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
     stats = stats.contiguous()
-    dsum2, stride_dsum = (dy2, stride_dy) if dsum is None else _as_rows(dsum, n_cols)
-    with _on_device(dy):
-        _launch(
-            norm_bwd_kernel, n_programs,
-            (dy2, dsum2, s2, stats, weight, dx, dx if dres is None else dres, dw_partial, db_partial,
-             n_rows, n_cols, n_row_blocks, row_blocks_per_program,
-             stride_dy, stride_dsum, stride_s, n_cols, n_cols),
-            dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
-                 HAS_BIAS=bias_dtype is not None,
-                 **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
-            num_warps,
-        )
+    dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
+    _launch(
+        wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, n_programs,
+        (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
+         n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+         stride_dy, stride_dsum, stride_s, n_cols, n_cols),
+        dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
+             HAS_BIAS=bias_dtype is not None,
+             **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
+        num_warps,
+    )
     dweight = None if dw_partial is None else dw_partial.sum(0).to(weight.dtype)
     dbias = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
     return dx, dres, dweight, dbias

@@ -109,7 +109,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("tests", "kernel, LayerNorm and argument-check tests, and every gpu-marked test, on the card", 150,
             ("{py}", "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "tests/test_kernels.py",
              "tests/test_layernorm.py", "tests/test_op_validation.py", "tests/test_fast_launch.py",
-             "tests/test_verify.py", "-m", "gpu or not slow"),
+             "tests/test_triton_ops.py", "tests/test_verify.py", "-m", "gpu or not slow"),
             ("{py}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_kernels.py")),
     _bench("kernels-bf16", "fused add + RMSNorm bandwidth, bf16, >= 4096 rows, and host time per decode call", 110,
            "bf16", "4096 16384", "2048 4096 8192 16384 65536", BASELINES, "fwd bwd"),
