@@ -9,6 +9,7 @@ environment (TRITON_INTERPRET=1 included): each script sets its own backend up.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,13 @@ def test_phase_callables_time_the_right_work(name):
         torch.testing.assert_close(a, b)
         torch.testing.assert_close(a, c)
     assert [tuple(g.shape) for g in first] == [(3, 64), (3, 64), (64,)]
+
+
+def test_launch_path_line_times_each_path_of_one_decode_call(monkeypatch):
+    """Run on the CPU (synchronising is a no-op there): each path runs and gets its figure."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    settings = kernel_bench.Settings(torch.device("cpu"), "bf16", 1, 1, 1.0, lambda: None)
+    line = kernel_bench.launch_path_line(32, settings, calls=2)
+    assert re.fullmatch(r"host us per decode call, 1 row, hidden 32, by launch path: cached launcher [\d.]+, "
+                        r"Triton's kernel\[grid\] [\d.]+; compiled \(no CUDA graph\) through the Triton op [\d.]+, "
+                        r"through the custom op [\d.]+", line), line

@@ -113,7 +113,7 @@ SECTIONS: tuple[Section, ...] = (
             ("{py}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_kernels.py")),
     _bench("kernels-bf16", "fused add + RMSNorm bandwidth, bf16, >= 4096 rows, and host time per decode call", 110,
            "bf16", "4096 16384", "2048 4096 8192 16384 65536", BASELINES, "fwd bwd"),
-    _bench("kernels-decode", "fused add + RMSNorm, decode rows 1-64 (CUDA graph replay)", 60,
+    _bench("kernels-decode", "fused add + RMSNorm, decode rows 1-64 (CUDA graph replay), host time by launch path", 75,
            "bf16", "1 16 64", "2048 4096 8192", BASELINES, "fwd"),
     _generate("generate-1b", "generate(), llama-3.2-1b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 120,
               "llama-3.2-1b-shape"),

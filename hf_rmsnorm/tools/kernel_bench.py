@@ -17,7 +17,9 @@ CUDA graphs would see it. The backward is timed alone: the forward runs once, un
 ``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True)``.
 
 Launch cost (the decode regime): an empty Triton kernel's launch against ``fused_add_rms_norm`` on 1-64 rows,
-as GPU time under a CUDA graph and as host time per eager call, with the goal "empty launch + 2 us".
+as GPU time under a CUDA graph and as host time per eager call, with the goal "empty launch + 2 us"; and the
+host time of one decode call by each launch path (cached launcher, Triton's own, compiled through the Triton op
+or through the custom op).
 
 ``run_benchmark`` is what ``scripts/bench_kernels.py`` runs; the script only reads the command line (into a
 ``BenchConfig``) and, without a GPU, says so and exits 0. The full default sweep takes a long time, mostly
@@ -397,6 +399,39 @@ def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
     return lines
 
 
+def launch_path_line(hidden: int, settings: Settings, calls: int = HOST_CALLS) -> str:
+    """Host time per eager decode call (1 row) of the same fused add + norm by each way of launching it: the
+    cached launcher (what runs), Triton's own ``kernel[grid](...)`` (the path before the cache), and a
+    ``torch.compile``d call (inductor's default mode, no CUDA graph) through the Triton op, whose kernel inductor
+    launches itself, and through the opaque custom op, which calls back into the package's Python."""
+    from unittest import mock
+
+    from ..ops import fast_launch, fused_add_rms_norm
+
+    dtype = DTYPES[settings.dtype_name]
+    x, residual = (torch.randn(1, hidden, dtype=dtype, device=settings.device) for _ in range(2))
+    weight = torch.ones(hidden, dtype=dtype, device=settings.device)
+
+    def fused(a, r, w):
+        return fused_add_rms_norm(a, r, w, EPS)
+
+    def custom_op(a, r, w):
+        return torch.ops.hf_rmsnorm.add_rms_norm_fwd(a, r, w, None, EPS, "llama")[:2]
+
+    def host_us(fn: Callable[..., Any]) -> str:
+        return f"{host_seconds_per_call(functools.partial(fn, x, residual, weight), calls) * 1e6:.2f}"
+
+    with torch.no_grad():
+        cached = host_us(fused)
+        with mock.patch.object(fast_launch, "_KNOBS", None):  # the cached launcher's "take Triton's path"
+            uncached = host_us(fused)
+        compiled = {name: host_us(torch.compile(fn, fullgraph=True))
+                    for name, fn in (("Triton op", fused), ("custom op", custom_op))}
+    return (f"host us per decode call, 1 row, hidden {hidden}, by launch path: cached launcher {cached}, Triton's "
+            f"kernel[grid] {uncached}; compiled (no CUDA graph) through the Triton op {compiled['Triton op']}, "
+            f"through the custom op {compiled['custom op']}")
+
+
 # ------------------------------------------------------------------------------------------------- report
 
 
@@ -526,4 +561,7 @@ def run_benchmark(config: BenchConfig) -> list[Result]:
                 write_json(config.json, results, torch.cuda.get_device_name(device), copy)
     if config.plot:
         write_plot(results, config.plot, copy)
+    if "hf_rmsnorm" in config.ops and "fwd" in config.phases:
+        # Last: its two torch.compile runs take seconds, which a time-limited run spends after the bandwidths.
+        print(launch_path_line(config.hidden[0], settings), flush=True)
     return results
