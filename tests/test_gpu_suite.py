@@ -60,7 +60,8 @@ def test_summary_reports_the_scripts_figures():
     outcomes = [
         Outcome("tests", "t", "ok", output="... 10 passed in 3.0s\n"),
         Outcome("kernels-bf16", "k", "ok", data={"kernels-bf16": _bench({"hf_rmsnorm": 35e-6, "hf_eager": 70e-6})},
-                output="launch cost, hidden 4096: empty Triton kernel 9.00 us\n  rows   1: hf_rmsnorm fwd 9.1 us\n"),
+                output="launch cost, hidden 4096: empty Triton kernel 9.00 us\n  rows   1: hf_rmsnorm fwd 9.1 us\n"
+                       "host us per decode call, 1 row, hidden 4096, by launch path: cached launcher 20.00\n"),
         Outcome("generate-1b", "g", "ok", data={"generate-1b": generate}),
         Outcome("train-1b-patched", "p", "ok", data={"train-1b-patched": {**metrics, "step_times_s": [9, 0.5, 0.5]}}),
         Outcome("train-1b-unpatched", "u", "ok",
@@ -72,6 +73,7 @@ def test_summary_reports_the_scripts_figures():
     # 134 MB in 35 us: 3835 GB/s, 95.9% of 4000 GB/s, twice as fast as the eager baseline.
     assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 2.00x |" in text
     assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
+    assert "by launch path: cached launcher 20.00" in text
     assert "| decode tokens/s | 80.0 | 100.0 | 1.250x |" in text
     assert "### train-1b: m, 1 x 2048 tokens, bf16 mixed precision, 3 steps" in text
     assert "Patched step speedup: 1.200x" in text

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
-LAUNCH_LINE_PREFIXES = ("launch cost", "  rows")
+LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other.
 TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
 
