@@ -171,3 +171,29 @@ def test_cuda_graphs_capture_the_compiled_norm():
         for _ in range(3):  # recorded, then replayed
             got = compiled(x, weight)
     assert torch.equal(got, expected)
+
+
+def _opcheck_args(device: str):
+    g = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(3, 40, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
+    weight = torch.randn(40, generator=g).to(device, torch.float32).requires_grad_()
+    return {
+        "rms_norm_fwd": (x, weight, None, 1e-6, "gemma"),
+        "add_rms_norm_fwd": (x, residual, weight, None, 1e-6, "llama"),
+        "rms_norm_add_fwd": (x, residual.detach().to(torch.float32).requires_grad_(), weight, None, 1e-6, "llama"),
+    }
+
+
+@pytest.mark.parametrize("name", ["rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd"])
+def test_triton_ops_schema_and_autograd_registration(name):
+    """The Triton ops carry the custom ops' autograd formula (run eagerly here; their fake implementation is the
+    real one traced, which needs kernels compiled for a GPU: the GPU test below checks it)."""
+    op = getattr(torch.ops.hf_rmsnorm, f"{name}_triton")
+    torch.library.opcheck(op, _opcheck_args("cuda" if torch.cuda.is_available() else "cpu")[name],
+                          test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd"])
+def test_triton_ops_pass_torch_library_opcheck_on_a_gpu(name):
+    torch.library.opcheck(getattr(torch.ops.hf_rmsnorm, f"{name}_triton"), _opcheck_args("cuda")[name])
