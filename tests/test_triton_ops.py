@@ -28,12 +28,15 @@ KERNEL_CASES = {
     "rms_norm_gemma_fp32_weight": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
     "fused_add_rms_norm": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
     "fused_add_layernorm": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "fused_add_rms_norm_dynamic": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
     "rms_norm_add": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
     # The norm's output (bf16) is not the residual's dtype: the kernel normalises, torch adds.
     "rms_norm_add_fp32_residual": (FWD, ["RSTD", "Y"], ["aten.add.Tensor"]),
     # dx, then the weight's gradient: the sum of the programs' partial sums, cast to the weight's bf16.
     "rms_norm_backward": (BWD, ["DW_PARTIAL", "DX"], [f"{BWD}:DX", "aten._to_copy.default"]),
     "fused_add_backward": (BWD, ["DRES", "DW_PARTIAL", "DX"], [f"{BWD}:DX", f"{BWD}:DRES", "aten.sum.dim_IntList"]),
+    "fused_add_backward_dynamic": (BWD, ["DRES", "DW_PARTIAL", "DX"],
+                                   [f"{BWD}:DX", f"{BWD}:DRES", "aten.sum.dim_IntList"]),
 }
 
 
@@ -71,6 +74,15 @@ def test_the_kernels_flags_follow_the_call(traced):
     assert flags["fused_add_layernorm"]["CENTER"] and flags["fused_add_layernorm"]["HAS_BIAS"]
     assert flags["rms_norm_add"]["ADD_AFTER"] and not flags["rms_norm_add_fp32_residual"]["ADD_AFTER"]
     assert flags["fused_add_backward"]["HAS_DSUM"] and flags["fused_add_backward"]["HAS_DRES"]
+
+
+def test_dynamic_shapes_keep_the_rows_symbolic_and_specialise_the_width(traced):
+    """``dynamic=True``: the width sets the kernel's tiling, so the graph is specialised on it (another width
+    recompiles); the row count stays symbolic, so other batch and sequence sizes reuse the graph."""
+    assert traced["cases"]["fused_add_rms_norm"]["hops"][0]["symbolic"] == []
+    assert traced["cases"]["fused_add_rms_norm_dynamic"]["hops"][0]["symbolic"] == ["n_rows"]
+    assert traced["cases"]["fused_add_backward_dynamic"]["hops"][0]["symbolic"] == [
+        "n_row_blocks", "n_rows", "row_blocks_per_program"]
 
 
 def test_dtypes_the_kernels_do_not_load_trace_to_aten_ops(traced):

@@ -8,8 +8,9 @@ kernel writes compiles the kernel to Triton's IR. The graphs are captured after 
 has been traced into: what inductor compiles.
 
 Each case prints ``{"hops": [...], "outputs": [...], "ops": [...]}``: the kernel launches recorded (kernel, the
-arguments torch found it writes, its constexpr flags), where each graph output comes from (``kernel:ARG`` for a
-kernel's output, else the aten op that made it) and every operator left in the graph.
+arguments torch found it writes, its constexpr flags, its None arguments and its symbolic sizes), where each
+graph output comes from (``kernel:ARG`` for a kernel's output, else the aten op that made it) and every operator
+left in the graph.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def _describe(gm: torch.fx.GraphModule) -> dict:
                 "writes": sorted(node.kwargs["tensors_to_clone"]),
                 "flags": {name: arguments[name] for name in FLAGS if name in arguments},
                 "none": sorted(name for name, value in arguments.items() if value is None),
+                "symbolic": sorted(name for name, value in arguments.items() if isinstance(value, torch.fx.Node)
+                                   and not isinstance(value.meta.get("val"), torch.Tensor)),
             })
         ops.append(str(node.target))
 
@@ -80,9 +83,10 @@ def _describe(gm: torch.fx.GraphModule) -> dict:
     return {"hops": hops, "outputs": [origin(arg) for arg in output.args[0]], "ops": ops}
 
 
-def _trace(fn, *shapes_dtypes) -> dict:
-    """The forward graph of ``torch.compile(fn)`` on fake CUDA tensors of these shapes and dtypes (None stays
-    None), without gradients: fake CUDA tensors cannot take part in autograd on a CPU-only torch build."""
+def _trace(fn, *shapes_dtypes, dynamic: bool = False) -> dict:
+    """The forward graph of ``torch.compile(fn, dynamic=dynamic)`` on fake CUDA tensors of these shapes and dtypes
+    (None stays None), without gradients: fake CUDA tensors cannot take part in autograd on a CPU-only torch
+    build."""
     graphs = []
 
     def capture(gm, _example_inputs):
@@ -93,7 +97,7 @@ def _trace(fn, *shapes_dtypes) -> dict:
     with FakeTensorMode():
         args = [None if spec is None else torch.empty(spec[0], dtype=spec[1], device="cuda")
                 for spec in shapes_dtypes]
-        torch.compile(fn, backend=aot_autograd(fw_compiler=capture), fullgraph=True)(*args)
+        torch.compile(fn, backend=aot_autograd(fw_compiler=capture), fullgraph=True, dynamic=dynamic)(*args)
     graph, = graphs
     return _describe(graph)
 
@@ -137,11 +141,16 @@ def main() -> None:
         "rms_norm_add": _trace(lambda x, r, w: rms_norm_add(x, r, w), (rows, bf16), (rows, bf16), (row, bf16)),
         "rms_norm_add_fp32_residual": _trace(lambda x, r, w: rms_norm_add(x, r, w), (rows, bf16), (rows, fp32),
                                              (row, bf16)),
+        # Every size symbolic: the graph is specialised on the width (the tiling depends on it), not on the rows.
+        "fused_add_rms_norm_dynamic": _trace(lambda x, r, w: fused_add_rms_norm(x, r, w), (rows, bf16),
+                                             (rows, bf16), (row, bf16), dynamic=True),
         "rms_norm_fp64": _trace(lambda x, w: rms_norm(x, w), (rows, fp64), (row, fp64)),
         "rms_norm_backward": _trace(rms_norm_backward, (rows, bf16), (rows, bf16), (row, bf16), ((ROWS,), fp32)),
         # A bf16 input added to an fp32 residual: the residual's gradient (fp32) is written apart from x's (bf16).
         "fused_add_backward": _trace(fused_add_backward, (rows, fp32), (rows, fp32), (rows, bf16), (rows, fp32),
                                      (row, fp32), (rows, fp32), ((ROWS,), fp32)),
+        "fused_add_backward_dynamic": _trace(fused_add_backward, (rows, fp32), (rows, fp32), (rows, bf16),
+                                             (rows, fp32), (row, fp32), (rows, fp32), ((ROWS,), fp32), dynamic=True),
     }
     kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
                for name in ("rms_norm_fwd_triton", "add_rms_norm_fwd_triton", "rms_norm_add_fwd_triton",

@@ -161,7 +161,9 @@ def norm_forward(
     backward reads them). With ``residual_after`` (of ``x``'s shape and of the norm's output dtype; ``residual``
     then None), ``y`` is ``residual_after + norm(x)``."""
     shape = x.shape
-    n_cols = shape[-1]
+    # A concrete width even where torch.compile traces it as symbolic (dynamic=True): the tiling depends on it, so
+    # a compiled graph is specialised on it (and recompiled for another width); the rows may stay symbolic.
+    n_cols = int(shape[-1])
     plan = _forward_plan(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
                          residual_after is not None, store_stats)
     y = _new_rows(x, plan.y_dtype)
@@ -209,7 +211,7 @@ def norm_backward(
     allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``); ``dweight`` is None
     without a weight."""
     shape = norm_input.shape
-    n_cols = shape[-1]
+    n_cols = int(shape[-1])  # concrete, as in the forward
     device = norm_input.device
     dx = _new_rows(norm_input, dx_dtype)
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
