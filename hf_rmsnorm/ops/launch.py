@@ -44,27 +44,25 @@ def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
     return block_m, block_n, True, num_warps
 
 
-_LAUNCHERS: dict[object, CachedLauncher] = {}
-
-
 def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` stands for a tensor while torch.compile traces a graph (fake or functional), rather than holding
     data: the kernels' launches are then recorded in the graph instead of run."""
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel)}
+
+
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
-    """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)`` on the first tensor's GPU, through the kernel's
-    ``CachedLauncher``. While a graph is traced, ``kernel`` is the caller's ``wrap_triton(<kernel>)``, which records
-    the launch in the graph, for inductor to make from its own code. The callers spell that call out with the
-    kernel's name: torch finds a Triton op's kernels, which its compile caches key on, by reading the op's source
-    for such calls."""
-    if is_traced(args[0]):
-        kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
-        return
+    """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``; one of the kernels runs on the first tensor's
+    GPU through its ``CachedLauncher``. Anything else is launched as it is: above all the caller's
+    ``wrap_triton(<kernel>)`` while a graph is traced (``is_traced``), which records the launch in the graph for
+    inductor to make from its own code. The callers spell that call out with the kernel's name: torch finds a
+    Triton op's kernels, which its compile caches key on, by reading the op's source for such calls."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
-        launcher = _LAUNCHERS[kernel] = CachedLauncher(kernel)
+        kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
+        return
     with _on_device(args[0]):
         launcher(grid, args, constexprs, num_warps)
 
