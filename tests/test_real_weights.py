@@ -61,10 +61,19 @@ def test_verify_passes_on_real_weights(tmp_path):
     parity = report["parity"]
     # Measured on these weights: accuracy against fp32 no worse than eager's, no decisive top-1 miss.
     assert parity["patched_mean_err"] <= 1.10 * parity["eager_mean_err"] and parity["patched_top1_misses"] == 0
-    # Some bf16 norm outputs round differently (the fp32 rstd differs from PyTorch's by an ulp in some rows),
-    # but only a handful in millions, and by one ulp.
+    # Some bf16 norm outputs round differently: the kernel reduces a row in another order than PyTorch on this
+    # CPU (and PyTorch's order depends on the CPU's vector width), so its fp32 rstd can differ by an ulp or two.
+    # What can be proven from that, for Llama's order (round the normalised row to bf16, then multiply by the
+    # bf16 weight):
+    # - max 2 ulps: the fp32 normalised value moves by a few fp32 ulps, far less than a bf16 ulp, so its bf16
+    #   rounding moves by at most one ulp, a relative step d <= 2^-7 (bf16 has 8 significant bits). The exact
+    #   product with the weight then moves by |p| * d < 2 ulp(p) (ulp(p) > |p| * 2^-8), and a gap under 2 ulps
+    #   holds at most two rounding boundaries: the rounded products differ by at most 2 ulps.
+    # - rarely: a rounding flips only when the fp32 value lies within the rstd difference of a bf16 rounding
+    #   boundary, a chance of about (rstd ulps) * 2^-16 per element even if every row's rstd differed by 2 ulps:
+    #   3e-5. The bound below leaves 3x of room over that worst case (measured: 4e-6 on one CPU, more on another).
     norms = report["norm_outputs"]
     assert norms["norm_calls"] == 61 and norms["elements"] > 10**6
-    assert norms["differing"] < 1e-4 * norms["elements"] and norms["max_ulp"] <= 1
+    assert norms["differing"] < 1e-4 * norms["elements"] and norms["max_ulp"] <= 2
     assert "Paris" in report["generations"][0]["unpatched"] and "Paris" in report["generations"][0]["patched"]
     assert "Generated text" in result.stdout and f"Report written as JSON to {report_path}" in result.stdout
