@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from hf_rmsnorm.tools import coverage
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "coverage.py"
@@ -81,18 +83,63 @@ def test_rmsnorm_in_modeling_code():
     assert coverage._sub_config_types(CONFIG_MAPPING["mistral3"])[:1] == ["mistral"]
 
 
-def test_headline_counts_unbuilt_rmsnorm_types():
+def test_headline_counts_rmsnorm_and_layernorm_types_apart():
     results = [
-        coverage.Coverage("a", "A", "fused", uses_rmsnorm=True, rmsnorm_in_code=True),
-        coverage.Coverage("b", "B", "skipped", uses_rmsnorm=False, rmsnorm_in_code=False),
+        coverage.Coverage("a", "A", "fused", uses_rmsnorm=True, uses_layernorm=True, rmsnorm_in_code=True),
+        coverage.Coverage("b", "B", "skipped", uses_rmsnorm=False, uses_layernorm=False, rmsnorm_in_code=False),
         coverage.Coverage("c", "C", "not built", rmsnorm_in_code=True),
         coverage.Coverage("d", "D", "not built", rmsnorm_in_code=False),
+        coverage.Coverage("e", "E", "not run", uses_rmsnorm=True, uses_layernorm=False, rmsnorm_in_code=True),
+        coverage.Coverage("f", "F", "fused", uses_rmsnorm=False, uses_layernorm=True, rmsnorm_in_code=False),
+        coverage.Coverage("g", "G", "failed", uses_rmsnorm=False, uses_layernorm=True, rmsnorm_in_code=False),
     ]
     line = coverage.headline(results)
-    assert "1 of the 2 model types that use an RMSNorm are patched with parity (50%)" in line
-    assert "could not be built here" in line and ": c." in line and "2 model types use none" in line
+    assert "1 of the 3 model types that use an RMSNorm are patched with parity (33%)" in line
+    assert "1 of them built and checked here" in line
+    assert "1 built but not run to the end (e)" in line and "1 that could not be built here (c)" in line
+    assert "1 of the 2 model types that normalise with a LayerNorm and no RMSNorm" in line
+    assert "2 model types use neither (1 of them not built" in line
     page = coverage.render(results, "0")
-    assert "| c | C | not built | in its code |" in page and "| d | D | not built | not in its code |" in page
+    # The verdict table counts each norm type in its own column: the LayerNorm model fused is not an RMSNorm one.
+    assert "| fused | 1 | 1 | 0 | 2 |" in page and "| not built | 1 | 0 | 1 | 2 |" in page
+    assert "| c | C | not built | RMSNorm (in its code) |" in page
+    assert "| d | D | not built | unknown (no RMSNorm in its code) |" in page
+    assert "| f | F | fused | LayerNorm |" in page
+
+
+def test_not_built_only_when_building_fails(monkeypatch):
+    """A model that was built but whose own eager forward fails is "not run", with what it knows of its norms;
+    "not built" is kept for a config or model that could not be made."""
+    llama = coverage._build("llama")
+
+    def failing_forward(*args, **kwargs):
+        raise ValueError("inputs_embeds cannot be None")
+
+    monkeypatch.setattr(llama, "forward", failing_forward)
+    monkeypatch.setattr(coverage, "_build", lambda model_type: llama)
+    result = coverage.check_model_type("llama", "LlamaForCausalLM", 60)
+    assert (result.verdict, result.uses_rmsnorm, result.uses_layernorm) == ("not run", True, False)
+    assert result.reason == "its eager model fails: ValueError: inputs_embeds cannot be None"
+
+    def unbuildable(model_type):
+        raise TypeError("unsupported operand")
+
+    monkeypatch.setattr(coverage, "_build", unbuildable)
+    result = coverage.check_model_type("llama", "LlamaForCausalLM", 60)
+    assert (result.verdict, result.uses_rmsnorm, result.reason) == ("not built", None, "TypeError: unsupported operand")
+
+
+def test_norms_get_trained_like_parameters():
+    """Weights around 1 (around 0 where a Gemma norm scales by 1 + w), biases around 0, never their initial
+    ones and zeros, for the LayerNorms of a LayerNorm model too."""
+    for model_type, offset in (("llama", 1.0), ("gemma", 0.0), ("gpt2", 1.0)):
+        model = coverage._build(model_type)
+        norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm) or "RMSNorm" in type(m).__name__]
+        assert norms
+        for norm in norms:
+            for name, param in norm.named_parameters():
+                mean = offset if name == "weight" else 0.0
+                assert abs(param.mean().item() - mean) < 0.2 and 0.15 < param.std().item() < 0.45, (model_type, name)
 
 
 def test_a_norm_class_with_and_without_a_weight_is_patched_per_instance():

@@ -241,9 +241,10 @@ def _hybrid(name: str, package: str, prefix: str, model: str, mlp_output: str) -
     )
 
 
-# Each entry was checked against transformers' source: the norm's forward is LlamaRMSNorm's, the layer's is the
-# LayerKind body, and the model runs its layers then the final norm. Qwen3's q_norm / k_norm are Qwen3RMSNorm
-# instances inside the attention, matched by class like the others.
+# Each entry was checked against transformers' source: the norm's forward is LlamaRMSNorm's (unless the entry
+# names another mode; tests/test_norm_numerics.py probes every entry), the layer's is the LayerKind body, and
+# the model runs its layers then the final norm. Qwen3's q_norm / k_norm are Qwen3RMSNorm instances inside the
+# attention, matched by class like the others.
 FAMILIES: tuple[Family, ...] = (
     _llama_shaped("Llama", "llama", "Llama"),
     _llama_shaped("Mistral", "mistral", "Mistral"),
@@ -259,7 +260,10 @@ FAMILIES: tuple[Family, ...] = (
     # kernels; the layers of the ones shaped like a LayerKind also get their residual adds fused.
     # Mixtral and GPT-OSS: Llama's layer body with their own parameter order (the body passes every argument on
     # by name, so the order does not matter); GPT-OSS's MoE returns (states, router scores). Their models run the
-    # layers then the final norm. Their norms are Llama's code, also recognised by their numerics.
+    # layers then the final norm. Mixtral's norm is Llama's code; GPT-OSS's multiplies by its weight in fp32 and
+    # rounds once, ``(w * n).to(x.dtype)`` (OLMo2's order), and its checkpoints keep the norms in fp32
+    # (``_keep_in_fp32_modules``) while the activations are bf16. The patcher checks every entry's mode against
+    # the class's own forward at patch time (``recognition.py``).
     Family(
         name="Mixtral",
         norms=(NormKind(f"{_M}.mixtral.modeling_mixtral.MixtralRMSNorm"),),
@@ -269,7 +273,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         name="GPT-OSS",
-        norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm"),),
+        norms=(NormKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssRMSNorm", mode="fp32_affine"),),
         layers=(LayerKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssDecoderLayer", mlp_output="pair"),),
         stacks=(StackKind(f"{_M}.gpt_oss.modeling_gpt_oss.GptOssModel"),),
     ),

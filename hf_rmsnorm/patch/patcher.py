@@ -247,7 +247,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
     unknown_layers: list[tuple[str, nn.Module]] = []
     layernorms = plan.layernorms
     recogniser = NormRecogniser()
-    # The dtype a norm without a weight of its own is probed in.
+    # The dtype of the activations the norms read (and the one a norm without a weight of its own is probed in).
     model_dtype = getattr(root, "dtype", None) if isinstance(getattr(root, "dtype", None), torch.dtype) else None
     model_dtype = model_dtype or next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
 
@@ -270,6 +270,9 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
         elif cls in reg.norms or module in layernorms.norms:
             family, kind = layernorms.norms[module] if module in layernorms.norms else reg.norms[cls]
             problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or _instance_problem(module)
+            if not problem and module not in layernorms.norms:
+                # nn.LayerNorm's forward is torch's own; a registered class's is checked against its entry.
+                problem = recogniser.registry_problem(module, kind, model_dtype)
             if problem:
                 plan.report.skipped.append((name, problem))
             else:

@@ -7,13 +7,18 @@ So instead of a list of class names:
 * **Norms by their numerics.** A module whose class name contains ``RMSNorm`` (or a ``torch.nn.RMSNorm``, or a
   model's own ``*LayerNorm`` class, also tried in the mean-centred ``layernorm`` mode) is run,
   as its own class's ``forward``, on probe inputs, and compared bit for bit with each mode of
-  ``hf_rmsnorm.ops.modes`` computed by the PyTorch reference. The probe runs on the CPU on a stand-in module with
-  a random weight of the module's dtype (a freshly initialised weight of ones would make the modes
-  indistinguishable, yet they differ once trained), on rows of ordinary, tiny, large and outlier magnitudes, in
-  every input dtype a model of that dtype feeds it (its own, fp32, bf16). The first mode that reproduces every
-  probe bit for bit is the module's; a module no mode reproduces is left alone with the reason. The answer
-  depends only on the class, the dtypes and whether the instance has a weight (Gemma 4 makes its value norms
-  without one), so each combination is probed once per ``patch_model`` call.
+  ``hf_rmsnorm.ops.modes`` computed by the PyTorch reference. The probe runs on the CPU (whatever the caller's
+  default device or ``torch.device`` context, so a model built on the meta device gets the verdict it will have
+  once loaded) on a stand-in module with a trained-like random weight (and bias) of the module's dtypes (a
+  freshly initialised weight of ones would make the modes indistinguishable, yet they differ once trained), on
+  rows of ordinary, tiny, large and outlier magnitudes, in every input dtype a model of that dtype feeds it (the
+  weight's, the model's, fp32, bf16: a norm kept in fp32 in a bf16 model reads bf16). The first mode that
+  reproduces every probe bit for bit is the module's; a module no mode reproduces is left alone with the reason.
+  The answer depends only on the class, the dtypes, whether the instance has a weight (Gemma 4 makes its
+  value norms without one) and its plain settings (Qwen4-Exp's ``group_size`` makes some instances grouped
+  norms), so each combination is probed once per ``patch_model`` call.
+  The norms the registry *does* name are probed the same way at patch time and left alone, with the reason,
+  where their forward does not compute the registry's mode (a transformers release changed the class).
 * **Layers and stacks by their code.** A class whose ``forward`` is, token for token, the ``forward`` of a class
   the registry describes (decorators included, docstrings, comments and layout ignored) computes what that class
   computes from attributes of the same names, so it gets that class's kinds. The patcher still checks each
@@ -34,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import reference
-from ..ops.modes import MODES
+from ..ops.modes import MODES, dtype_of
 from .families import FAMILIES, LayerKind, NormKind, StackKind
 
 # Attribute names an RMSNorm keeps its epsilon under, in the order they are tried.
@@ -48,6 +53,8 @@ PROBE_ROWS_PER_SCALE = 8
 # activation outliers.
 PROBE_SCALES = (1.0, 1e-3, 300.0, 3e3)
 PROBE_SEED = 1234
+# Spread of the probe's weight around 1 and bias around 0: trained-like, never ones and zeros.
+PROBE_WEIGHT_STD = 0.5
 # Row width of the probes of a norm without a weight (nothing else tells its width).
 PROBE_WIDTH = 96
 PROBE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,31 +92,80 @@ def family_of(cls: type) -> str:
 
 
 class NormRecogniser:
-    """Probes norm classes, caching each verdict for the life of one plan (one ``patch_model`` call)."""
+    """Probes norm classes, caching each answer for the life of one plan (one ``patch_model`` call): a norm
+    the registry does not name gets the kind of its numerics (``verdict``); one it names is checked against its
+    entry (``registry_problem``), so a transformers release that changed the class's rounding order turns the
+    kernels off for it instead of running the entry's stale order."""
 
     def __init__(self) -> None:
-        self._verdicts: dict[tuple, NormVerdict] = {}
+        self._modes: dict[tuple, tuple[str | None, str]] = {}
 
-    def verdict(self, module: nn.Module, dtype: torch.dtype) -> NormVerdict:
-        """``module``'s kind; ``dtype`` is the model's (the weight's decides for a norm with one)."""
+    def verdict(self, module: nn.Module, model_dtype: torch.dtype) -> NormVerdict:
+        """The kind of ``module``, a norm of a class the registry does not name, in a model of ``model_dtype``."""
         cls = type(module)
-        problem = _shape_problem(module)
+        problem = _shape_problem(module, EPS_ATTRS, "weight", None)
         if problem:
             return NormVerdict(None, problem)
-        weight = getattr(module, "weight", None)
         eps_attr = next(a for a in EPS_ATTRS if _is_number(getattr(module, a, None)))
-        key = (cls, eps_attr, dtype if weight is None else weight.dtype, weight is None)
-        if key not in self._verdicts:
-            self._verdicts[key] = _probe(cls, module, eps_attr, key[2])
-        return self._verdicts[key]
+        mode, reason = self._mode(module, eps_attr, "weight", None, model_dtype, candidate_modes(module))
+        if mode is None:
+            return NormVerdict(None, reason)
+        weight_attr = "weight" if getattr(module, "weight", None) is not None else None
+        path = f"{cls.__module__}.{cls.__qualname__}"
+        return NormVerdict(NormKind(path, eps_attr=eps_attr, mode=mode, weight_attr=weight_attr))
+
+    def registry_problem(self, module: nn.Module, kind: NormKind, model_dtype: torch.dtype) -> str | None:
+        """Why ``module`` (of a class the registry names, with ``kind``) does not compute ``kind.mode``, if it
+        does not: its forward is probed exactly as an unregistered class's is."""
+        problem = _shape_problem(module, (kind.eps_attr,), kind.weight_attr, kind.bias_attr)
+        if problem:
+            return problem
+        modes = tuple(dict.fromkeys((kind.mode, *candidate_modes(module))))
+        mode, reason = self._mode(module, kind.eps_attr, kind.weight_attr, kind.bias_attr, model_dtype, modes)
+        if mode == kind.mode:
+            return None
+        computed = reason if mode is None else f"{type(module).__name__}.forward computes the {mode} mode"
+        return f"{computed}, not the {kind.mode} mode its registry entry says: left alone rather than mis-rounded"
+
+    def _mode(
+        self, module: nn.Module, eps_attr: str, weight_attr: str | None, bias_attr: str | None,
+        model_dtype: torch.dtype, modes: tuple[str, ...],
+    ) -> tuple[str | None, str]:
+        weight, bias = (None if a is None else getattr(module, a, None) for a in (weight_attr, bias_attr))
+        # The answer depends on the class, its plain settings, the parameters' presence and dtypes and the model's
+        # dtype only.
+        key = (type(module), _settings(module), eps_attr, weight_attr, bias_attr, dtype_of(weight), dtype_of(bias),
+               model_dtype, modes)
+        if key not in self._modes:
+            self._modes[key] = probe_mode(module, eps_attr, weight_attr, bias_attr, model_dtype, modes)
+        return self._modes[key]
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    """The plain settings of ``module`` its forward may branch on (Qwen4-Exp's ``group_size`` makes some instances
+    of one class grouped norms), epsilons aside: instances that differ in one are probed apart."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(sorted((name, value) for name, value in vars(module).items()
+                        if not name.startswith("_") and name not in EPS_ATTRS and name != "training"
+                        and isinstance(value, plain)))
+
+
+def candidate_modes(module: nn.Module) -> tuple[str, ...]:
+    """The modes a norm may be in: the RMS modes, and the centred ones too for a model's own LayerNorm class."""
+    return RMS_MODES + (CENTRED_MODES if _is_own_layer_norm(module) else ())
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _shape_problem(module: nn.Module) -> str | None:
-    """Why ``module`` cannot be one of the kernels' norms whatever its numerics, if it cannot."""
+def _shape_problem(
+    module: nn.Module, eps_attrs: tuple[str, ...], weight_attr: str | None, bias_attr: str | None
+) -> str | None:
+    """Why ``module`` cannot be one of the kernels' norms whatever its numerics, if it cannot (its epsilon is
+    under one of ``eps_attrs``, its weight and bias under the attributes named, None: none). Where its
+    parameters live does not matter (the probe only reads their presence, shapes and dtypes), so a norm on the
+    meta device (a skeleton not loaded yet) gets the verdict it will have once loaded."""
     cls = type(module)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
     if len(params) != 1 or params[0].kind not in (
@@ -118,64 +174,95 @@ def _shape_problem(module: nn.Module) -> str | None:
         return f"{cls.__name__}.forward takes more than the hidden states ({', '.join(p.name for p in params)})"
     if any(True for _ in module.children()):
         return f"{cls.__name__} has submodules"
-    weight = getattr(module, "weight", None)
-    if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 1):
-        return f"{cls.__name__}.weight is not a 1-D tensor"
-    others = [name for name, _ in module.named_parameters(recurse=False) if name != "weight"]
+    for attr in (weight_attr, bias_attr):
+        value = None if attr is None else getattr(module, attr, None)
+        if value is not None and (not isinstance(value, Tensor) or value.dim() != 1):
+            return f"{cls.__name__}.{attr} is not a 1-D tensor"
+        if value is not None and value.dtype not in PROBE_DTYPES:
+            return f"{cls.__name__}.{attr} is {value.dtype}, not a dtype the kernels load"
+    others = [name for name, _ in module.named_parameters(recurse=False) if name not in (weight_attr, bias_attr)]
     if others:
         return f"{cls.__name__} has parameters besides its weight ({', '.join(others)})"
-    if weight is not None and weight.is_meta:
-        return f"{cls.__name__}'s weight is on the meta device (not loaded)"
-    if weight is not None and weight.dtype not in PROBE_DTYPES:
-        return f"{cls.__name__}'s weight is {weight.dtype}, not a dtype the kernels load"
-    if not any(_is_number(getattr(module, a, None)) for a in EPS_ATTRS):
-        return f"{cls.__name__} has no numeric {' or '.join(EPS_ATTRS)}"
+    if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+        return f"{cls.__name__} has buffers on the meta device, whose values its forward may read (not loaded)"
+    if not any(_is_number(getattr(module, a, None)) for a in eps_attrs):
+        return f"{cls.__name__} has no numeric {' or '.join(eps_attrs)}"
     return None
 
 
-def _probe(cls: type, module: nn.Module, eps_attr: str, dtype: torch.dtype) -> NormVerdict:
-    """Compares ``cls.forward`` with every RMS mode on the probes (module docstring). A norm without a weight
-    is probed at the width of ``PROBE_WIDTH`` and gets the kind of its numerics with ``weight_attr=None``."""
-    has_weight = getattr(module, "weight", None) is not None
-    hidden = module.weight.shape[0] if has_weight else PROBE_WIDTH
+def probe_parameters(width: int, dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
+    """The probe's weight, trained-like: around 1 with spread ``PROBE_WEIGHT_STD`` (a weight of ones, as a fresh
+    model has, would make the modes indistinguishable); a bias around 0 (None for ``bias_dtype`` None)."""
+    gen = torch.Generator().manual_seed(PROBE_SEED + 1)
+    weight = (torch.randn(width, generator=gen, device="cpu") * PROBE_WEIGHT_STD + 1.0).to(dtype)
+    bias = None if bias_dtype is None else (torch.randn(width, generator=gen, device="cpu") * PROBE_WEIGHT_STD
+                                            ).to(bias_dtype)
+    return weight, bias
+
+
+def probe_rows(width: int) -> Tensor:
+    """The probe's fp32 input rows (module docstring): ``PROBE_ROWS_PER_SCALE`` rows per magnitude."""
     gen = torch.Generator().manual_seed(PROBE_SEED)
-    weight = (torch.randn(hidden, generator=gen) * 0.5 + 1.0).to(dtype) if has_weight else None
-    stand_in = _stand_in(module, weight)
-    eps = getattr(module, eps_attr)
-    rows = torch.cat([torch.randn(PROBE_ROWS_PER_SCALE, hidden, generator=gen) * scale for scale in PROBE_SCALES])
+    rows = torch.cat([torch.randn(PROBE_ROWS_PER_SCALE, width, generator=gen, device="cpu") * scale
+                      for scale in PROBE_SCALES])
     rows[0, 0] = 100.0  # one outlier in an ordinary row
-    input_dtypes = dict.fromkeys((dtype, torch.float32, torch.bfloat16))
-    outputs = []
-    try:
-        with torch.no_grad():
-            for dtype in input_dtypes:
-                x = rows.to(dtype)
-                outputs.append((x, cls.forward(stand_in, x)))
-    except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
-        return NormVerdict(None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200])
-    modes = RMS_MODES + (CENTRED_MODES if _is_own_layer_norm(module) else ())
-    for mode in modes:
-        if all(_reproduces(x, expected, weight, eps, mode) for x, expected in outputs):
-            path = f"{cls.__module__}.{cls.__qualname__}"
-            weight_attr = "weight" if has_weight else None
-            return NormVerdict(NormKind(path, eps_attr=eps_attr, mode=mode, weight_attr=weight_attr))
-    return NormVerdict(None, f"{cls.__name__}'s numerics match none of the kernels' modes ({', '.join(modes)})")
+    return rows
 
 
-def _stand_in(module: nn.Module, weight: Tensor | None) -> nn.Module:
-    """A module of ``module``'s class sharing its plain attributes (eps, flags) but with ``weight`` and CPU
-    copies of its buffers: the probe never touches the real module or its device."""
+def probe_mode(
+    module: nn.Module, eps_attr: str, weight_attr: str | None, bias_attr: str | None, model_dtype: torch.dtype,
+    modes: tuple[str, ...], input_dtypes: tuple[torch.dtype, ...] | None = None,
+) -> tuple[str | None, str]:
+    """The first of ``modes`` whose PyTorch reference reproduces ``type(module).forward`` bit for bit on every
+    probe, or None and why none does (module docstring). The forward runs on a CPU stand-in with the probe's
+    weight and bias in the dtypes of ``module``'s (``model_dtype`` for a norm without a weight), on every input
+    dtype a model of ``model_dtype`` feeds it, or on ``input_dtypes``. It runs on the CPU whatever the default
+    device or ``torch.device`` context of the caller, so the verdict does not depend on them."""
+    cls = type(module)
+    weight, bias = (None if a is None else getattr(module, a, None) for a in (weight_attr, bias_attr))
+    width = PROBE_WIDTH if weight is None else weight.shape[0]
+    dtype = model_dtype if weight is None else weight.dtype
+    with torch.device("cpu"):
+        probe_weight, probe_bias = probe_parameters(width, dtype, dtype_of(bias))
+        probe_weight = None if weight is None else probe_weight
+        stand_in = _stand_in(module, {weight_attr: probe_weight, bias_attr: probe_bias})
+        eps = getattr(module, eps_attr)
+        rows = probe_rows(width)
+        outputs = []
+        try:
+            with torch.no_grad():
+                for input_dtype in input_dtypes or dict.fromkeys((dtype, model_dtype, torch.float32, torch.bfloat16)):
+                    x = rows.to(input_dtype)
+                    outputs.append((x, cls.forward(stand_in, x)))
+        except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
+            return None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200]
+        for mode in modes:
+            if all(_reproduces(x, expected, probe_weight, probe_bias, eps, mode) for x, expected in outputs):
+                return mode, ""
+    return None, f"{cls.__name__}'s numerics match none of the kernels' modes ({', '.join(modes)})"
+
+
+def _stand_in(module: nn.Module, parameters: dict[str | None, Tensor | None]) -> nn.Module:
+    """A module of ``module``'s class sharing its plain attributes (eps, flags) but with ``parameters`` in place
+    of its own and CPU copies of its buffers: the probe never touches the real module or its device."""
     stand_in = object.__new__(type(module))
     stand_in.__dict__.update(module.__dict__)
-    stand_in.__dict__["_parameters"] = {} if weight is None else {"weight": nn.Parameter(weight, requires_grad=False)}
+    params = {name: None for name in module._parameters}
+    params.update({name: None if p is None else nn.Parameter(p, requires_grad=False)
+                   for name, p in parameters.items() if name is not None})
+    stand_in.__dict__["_parameters"] = params
+    for name in params:  # a tensor kept as a plain attribute would hide the probe's
+        stand_in.__dict__.pop(name, None)
     stand_in.__dict__["_buffers"] = {k: None if v is None else v.detach().cpu() for k, v in module._buffers.items()}
     return stand_in
 
 
-def _reproduces(x: Tensor, expected: object, weight: Tensor | None, eps: float, mode: str) -> bool:
+def _reproduces(
+    x: Tensor, expected: object, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
+) -> bool:
     if not isinstance(expected, Tensor):
         return False
-    got = reference.forward_reference(x, None, weight, None, eps, mode)[0]
+    got = reference.forward_reference(x, None, weight, bias, eps, mode)[0]
     return got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
 
 

@@ -6,7 +6,8 @@ and checked on one batch (a forward without cache). The tiny config is the defau
 cut to one layer of each kind the full model has (per-layer lists and overrides with it), made again through the
 config class, so that its ``__post_init__`` derives the sizes that depend on others and its validation runs; a few
 model types whose default config is unusable as shipped get ``DEFAULT_OVERRIDES`` / ``OVERRIDES`` (data, each with
-why). The check:
+why). Before the check every norm gets trained-like parameters (``randomise_norms``): a fresh model's weight of
+ones and bias of zeros would hide a norm run in the wrong casting order. The check:
 
 * fp32: the patched logits within ``FP32_TOLERANCE`` of the eager model's (relative to the largest logit), and
   the same top-1 token everywhere the eager model's top-1 beats its top-2 by more than that tolerance;
@@ -15,10 +16,12 @@ why). The check:
 
 Each model type gets one verdict: ``fused`` (norms patched and residual adds fused), ``norms only`` (norms
 patched, adds left alone), ``skipped`` (patch_model refused it: the reason), ``failed`` (patched but parity
-broke: a bug), or ``not built`` (no tiny model could be made from its config here: the reason). The page's
+broke: a bug), ``not run`` (built, but its own eager model failed on the check's inputs, or the check ran out of
+time: the reason), or ``not built`` (no tiny model could be made from its config here: the reason). The page's
 headline is over every model type that uses an RMSNorm, built or not: one that could not be built counts when its
-modeling code names an RMSNorm class (``modeling_has_rmsnorm``). The kernels run wherever the process set them up
-(Triton's interpreter on CPU).
+modeling code names an RMSNorm class (``modeling_has_rmsnorm``); the model types that normalise with a LayerNorm
+and no RMSNorm are counted apart (``norm_type``). The kernels run wherever the process set them up (Triton's
+interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from ..patch import UnsupportedModelError, patch_model
+from ..patch import UnsupportedModelError, check_model, patch_model
 from ..patch.recognition import is_rms_norm_like
 
 # Config fields shrunk when the default config (or one of its sub-configs: text, vision, ...) has them as positive
@@ -98,7 +101,10 @@ MAX_PARAMETERS = 20_000_000
 FP32_TOLERANCE = 1e-4
 BF16_MEAN_SLACK = 1.10
 BATCH, SEQ = 2, 8
-VERDICTS = ("fused", "norms only", "skipped", "failed", "not built")
+# Spread of a trained checkpoint's norm parameters around their initial values (``randomise_norms``).
+TRAINED_STD = 0.3
+VERDICTS = ("fused", "norms only", "skipped", "failed", "not run", "not built")
+NORM_TYPES = ("RMSNorm", "LayerNorm", "neither")
 
 
 @dataclass
@@ -113,6 +119,7 @@ class Coverage:
     fused_adds: int = 0
     skipped_modules: int = 0
     uses_rmsnorm: bool | None = None  # an RMSNorm module in the model built; None: not built, unknown
+    uses_layernorm: bool | None = None  # a LayerNorm module (``_is_layer_norm``) in the model built; None: unknown
     rmsnorm_in_code: bool | None = None  # an RMSNorm in its modeling code, read not run (``modeling_has_rmsnorm``)
     fp32_max_err: float | None = None
     bf16_mean_err_ratio: float | None = None
@@ -246,11 +253,35 @@ def _build(model_type: str):
     torch.manual_seed(0)
     # Eager experts: the grouped-GEMM ones of MoE models have no fp64 kernel for the fp64 reference.
     model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with torch.no_grad():  # norm weights away from their initial ones/zeros, so a misapplied weight would show
-        for name, param in model.named_parameters():
-            if "norm" in name.lower():
-                param.normal_(float(param.mean()), 0.3)
+    randomise_norms(model)
     return model.eval()
+
+
+def randomise_norms(model: torch.nn.Module) -> None:
+    """Gives every norm of ``model`` the parameters a trained checkpoint has rather than its initial ones (a
+    weight of ones and a bias of zeros round alike in every casting order, so a misapplied order would not show):
+    a weight ~ N(1, ``TRAINED_STD``), or N(0, ``TRAINED_STD``) where it starts at zeros (Gemma-style norms scale by
+    ``1 + w``), and a bias ~ N(0, ``TRAINED_STD``)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if not _is_norm(module):
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if param.dim() != 1:  # a norm's scale and shift are per channel; anything else is not one
+                    continue
+                if name == "weight":
+                    mean = 0.0 if not param.any() else 1.0
+                elif name == "bias":
+                    mean = 0.0
+                else:
+                    continue
+                param.copy_(torch.randn(param.shape, generator=gen) * TRAINED_STD + mean)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    # Every norm class says so in its name: nn.LayerNorm, nn.RMSNorm, the models' own *RMSNorm / *LayerNorm.
+    return "Norm" in type(module).__name__
 
 
 def _logits(model, ids) -> torch.Tensor:
@@ -262,6 +293,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
     """Builds, patches and checks one model type (module docstring)."""
     start = time.monotonic()
     result = Coverage(model_type, class_name, "not built", rmsnorm_in_code=modeling_has_rmsnorm(model_type, class_name))
+    stage = "building it"
 
     def on_alarm(*_):
         raise _Timeout()
@@ -271,23 +303,34 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
     try:
         try:
             model = _build(model_type)
+        except _Timeout:
+            raise
+        except Exception as exc:  # the config or the model itself: recorded, the sweep goes on
+            result.reason = _describe(exc, 160)
+            return result
+        result.uses_rmsnorm = any(is_rms_norm_like(m) for m in model.modules())
+        result.uses_layernorm = any(_is_layer_norm(m) for m in model.modules())
+        result.verdict, stage = "not run", "planning its patch"
+        try:  # asked first: whether patch_model takes a model does not depend on its eager forward running here
+            check_model(model)
+        except UnsupportedModelError as exc:
+            result.verdict, result.reason = "skipped", str(exc).split("; supported families")[0][:300]
+            return result
+        stage = "running its eager model"
+        try:
             ids = torch.randint(3, min(TINY["vocab_size"], model.get_input_embeddings().num_embeddings), (BATCH, SEQ),
                                 generator=torch.Generator().manual_seed(1))
-            result.uses_rmsnorm = any(is_rms_norm_like(m) for m in model.modules())
             truth = _logits(copy.deepcopy(model).double(), ids)
             eager32 = _logits(model, ids)
             bf16 = copy.deepcopy(model).to(torch.bfloat16)
             eager16 = _logits(bf16, ids)
         except _Timeout:
             raise
-        except Exception as exc:  # the config or the model itself: recorded, the sweep goes on
-            result.reason = _describe(exc, 160)
+        except Exception as exc:  # transformers' own unpatched model fails on the check: nothing to compare with
+            result.reason = "its eager model fails: " + _describe(exc, 160)
             return result
-        try:
-            report = patch_model(model)
-        except UnsupportedModelError as exc:
-            result.verdict, result.reason = "skipped", str(exc).split(";")[0][:200]
-            return result
+        stage = "checking its patched model"
+        report = patch_model(model)
         result.norms, result.fused_adds, result.skipped_modules = (
             len(report.norms), len(report.fused_adds), len(report.skipped))
         patched32 = _logits(model, ids)
@@ -295,7 +338,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         patched16 = _logits(bf16, ids)
         result.verdict, result.reason = _judge(result, truth, eager32, patched32, eager16, patched16)
     except _Timeout:
-        result.verdict, result.reason = "not built", f"over the {limit_s:.0f} s limit"
+        result.reason = f"over the {limit_s:.0f} s limit while {stage}"
     except Exception as exc:  # patched but then failed to run: a bug
         result.verdict, result.reason = "failed", _describe(exc, 200)
     finally:
@@ -303,6 +346,11 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         signal.signal(signal.SIGALRM, previous)
         result.seconds = time.monotonic() - start
     return result
+
+
+def _is_layer_norm(module: torch.nn.Module) -> bool:
+    """An ``nn.LayerNorm`` or a model's own ``*LayerNorm`` class (an RMSNorm under that name counts too: T5's)."""
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("LayerNorm")
 
 
 def _describe(exc: Exception, limit: int) -> str:
@@ -404,18 +452,29 @@ def causal_lm_types() -> dict[str, str]:
     return dict(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()))
 
 
+def norm_type(result: Coverage) -> str:
+    """What a model type normalises with, as the page counts it: ``RMSNorm`` when it uses one
+    (``uses_rmsnorm``, whatever else it has), else ``LayerNorm`` when its model has one, else ``neither`` (also a
+    type not built whose modeling code names no RMSNorm: nothing is known of it)."""
+    if uses_rmsnorm(result):
+        return "RMSNorm"
+    return "LayerNorm" if result.uses_layernorm else "neither"
+
+
 def render(results: list[Coverage], transformers_version: str) -> str:
-    """The Markdown page: counts per verdict, then one row per model type."""
-    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    """The Markdown page: counts per verdict and norm type, the headline, then one row per model type."""
+    counts = {(v, t): sum(r.verdict == v and norm_type(r) == t for r in results) for v in VERDICTS for t in NORM_TYPES}
     lines = [
         f"# Coverage of transformers {transformers_version}'s causal LMs", "",
         "Written by `python scripts/coverage.py` (see its `--help` and `hf_rmsnorm/tools/coverage.py` for the "
-        "method). Each model type is a tiny random model of transformers' own classes, checked in fp32 against "
-        "its eager self and in bf16 against an fp64 copy.", "",
-        "| verdict | model types |", "|---|---|",
-        *(f"| {v} | {counts[v]} |" for v in VERDICTS), "",
+        "method). Each model type is a tiny random model of transformers' own classes, its norms given "
+        "trained-like weights and biases, checked in fp32 against its eager self and in bf16 against an fp64 "
+        "copy.", "",
+        f"| verdict | {' | '.join(f'{t} types' for t in NORM_TYPES)} | all |", "|---|---|---|---|---|",
+        *(f"| {v} | {' | '.join(str(counts[v, t]) for t in NORM_TYPES)} | "
+          f"{sum(counts[v, t] for t in NORM_TYPES)} |" for v in VERDICTS), "",
         headline(results), "",
-        "| model type | class | verdict | RMSNorm | norms | fused adds | skipped modules | fp32 max err | "
+        "| model type | class | verdict | norm type | norms | fused adds | skipped modules | fp32 max err | "
         "bf16 mean err / eager | reason |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -423,30 +482,40 @@ def render(results: list[Coverage], transformers_version: str) -> str:
         fp32 = "" if r.fp32_max_err is None else f"{r.fp32_max_err:.1e}"
         bf16 = "" if r.bf16_mean_err_ratio is None else f"{r.bf16_mean_err_ratio:.3f}"
         reason = r.reason.replace("|", "/")
-        lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {_rmsnorm_cell(r)} | {r.norms} | "
+        lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {_norm_type_cell(r)} | {r.norms} | "
                      f"{r.fused_adds} | {r.skipped_modules} | {fp32} | {bf16} | {reason} |")
     return "\n".join(lines) + "\n"
 
 
-def _rmsnorm_cell(result: Coverage) -> str:
+def _norm_type_cell(result: Coverage) -> str:
     if result.uses_rmsnorm is not None:
-        return "yes" if result.uses_rmsnorm else "no"
-    return "in its code" if result.rmsnorm_in_code else "not in its code"
+        return norm_type(result)
+    return "RMSNorm (in its code)" if result.rmsnorm_in_code else "unknown (no RMSNorm in its code)"
 
 
 def headline(results: list[Coverage]) -> str:
     """How many of the model types that use an RMSNorm (``uses_rmsnorm``), built here or not, are patched with
-    parity; the ones not built are named, since nothing is claimed for them."""
-    rms = [r for r in results if uses_rmsnorm(r)]
+    parity, naming the ones not checked to the end (nothing is claimed for them); then the same for the types
+    that normalise with a LayerNorm and no RMSNorm, counted apart."""
+    rms = [r for r in results if norm_type(r) == "RMSNorm"]
     ok = [r for r in rms if r.verdict in ("fused", "norms only")]
-    unbuilt = [r.model_type for r in rms if r.verdict == "not built"]
-    built = len(rms) - len(unbuilt)
+    unchecked = {v: [r.model_type for r in rms if r.verdict == v] for v in ("not run", "not built")}
+    checked = len(rms) - sum(len(names) for names in unchecked.values())
+    layernorm = [r for r in results if norm_type(r) == "LayerNorm"]
+    layernorm_ok = sum(r.verdict in ("fused", "norms only") for r in layernorm)
+    neither = [r for r in results if norm_type(r) == "neither"]
+    unknown = sum(r.uses_rmsnorm is None for r in neither)
     return (f"**{len(ok)} of the {len(rms)} model types that use an RMSNorm are patched with parity "
-            f"({100 * len(ok) / max(len(rms), 1):.0f}%)**, {built} of them built and checked here. The other "
-            f"{len(unbuilt)} could not be built here (the reason is in their row; they count against the share, "
-            f"nothing else is claimed for them): {', '.join(unbuilt) or 'none'}. A model type uses an RMSNorm when "
-            "its tiny model has an RMSNorm module or, where none could be made, when its modeling code names an "
-            f"RMSNorm class (read, not run: the RMSNorm column). {len(results) - len(rms)} model types use none.")
+            f"({100 * len(ok) / max(len(rms), 1):.0f}%)**, {checked} of them built and checked here. The others "
+            "count against the share and nothing else is claimed for them (the reason is in their row): "
+            f"{len(unchecked['not run'])} built but not run to the end ({', '.join(unchecked['not run']) or 'none'})"
+            f" and {len(unchecked['not built'])} that could not be built here "
+            f"({', '.join(unchecked['not built']) or 'none'}). A model type uses an RMSNorm when its tiny model has "
+            "an RMSNorm module or, where none could be built, when its modeling code names an RMSNorm class (read, "
+            f"not run: the norm type column). Counted apart: {layernorm_ok} of the {len(layernorm)} model types "
+            "that normalise with a LayerNorm and no RMSNorm are patched with parity; "
+            f"{len(neither)} model types use neither ({unknown} of them not built, their modeling code naming no "
+            "RMSNorm).")
 
 
 def read(markdown: Path) -> list[Coverage]:
