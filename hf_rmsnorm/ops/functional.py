@@ -20,6 +20,9 @@ implementation directly unless a graph is being traced.
 interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
 the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_rms_norm_bwd``, which
 every eager, autograd and custom-op call goes through, and in the fake implementations ``torch.compile`` traces.
+
+DTensor arguments (tensor- and sequence-parallel plans) are handed to ``dtensor.py`` by each public function
+first: it checks that the norm is row-local on them and calls the function again on the local shards.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import Tensor
 from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
+from .dtensor import call_on_local_shards, holds_dtensor
 from .launch import is_traced, norm_backward, norm_forward
 from .modes import dtype_of, get_mode, sum_dtype
 
@@ -178,9 +182,10 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
         y_dtype = get_mode(ctx.mode).output_dtype(norm_input.dtype, weight, None)
         dy = norm_input.new_zeros(norm_input.shape, dtype=y_dtype)
     # An operator only where one is needed: while a graph is traced (torch.compile, whose backward may be traced
-    # outside Dynamo, on fake or functional tensors) and for other tensor subclasses (DTensors), which the custom
-    # op's dispatch unwraps. Otherwise its dispatch costs about 250 us of host time per call (measured on an H200
-    # host), several times the kernel itself at training sizes.
+    # outside Dynamo, on fake or functional tensors) and for other tensor subclasses, which the custom op's
+    # dispatch unwraps (DTensors never get here: ``dtensor.py`` runs the ops on their local shards). Otherwise
+    # its dispatch costs about 250 us of host time per call (measured on an H200 host), several times the kernel
+    # itself at training sizes.
     plain = type(dy) is Tensor and type(norm_input) is Tensor and (dsum is None or type(dsum) is Tensor)
     if torch.compiler.is_compiling() or is_traced(norm_input):
         backward = _traced_ops(norm_input).backward
@@ -317,9 +322,16 @@ def rms_norm(
     Raises:
         TypeError: a tensor is not fp16, bf16, fp32 or fp64.
         ValueError: an unknown mode; ``x`` is 0-dimensional; ``weight`` or ``bias`` is not 1-D of ``x``'s last
-            dimension; a tensor is not on ``x``'s device; ``eps`` is negative, infinite or NaN (``checks.py``).
+            dimension; a tensor is not on ``x``'s device; ``eps`` is negative, infinite or NaN (``checks.py``);
+            DTensor arguments the norm is not row-local on: ``x`` sharded along its last dimension or ``Partial``,
+            ``weight``/``bias`` not ``Replicate()``, other meshes, DTensors mixed with plain tensors (``dtensor.py``).
+
+    DTensors: ``x`` sharded along any other dimension (the sequence) or replicated, with replicated ``weight`` and
+    ``bias``, runs on each rank's local rows and returns a DTensor placed as ``x``; gradients are DTensors too.
     """
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, weight, bias):
+        return call_on_local_shards(rms_norm, x, weight, eps, bias=bias, mode=mode)
     eps = float(eps)
     if torch.compiler.is_compiling():
         return _traced_ops(x).rms_norm(x, weight, bias, eps, mode)[0]
@@ -350,6 +362,8 @@ def fused_add_rms_norm(
             ``x``'s shape (no broadcasting).
     """
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, residual, weight, bias):
+        return call_on_local_shards(fused_add_rms_norm, x, residual, weight, eps, bias=bias, mode=mode)
     eps = float(eps)
     if torch.compiler.is_compiling():
         y, new_residual, _ = _traced_ops(x).add_rms_norm(x, residual, weight, bias, eps, mode)
@@ -380,6 +394,8 @@ def rms_norm_add(
         TypeError, ValueError: as ``fused_add_rms_norm``.
     """
     get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, residual, weight, bias):
+        return call_on_local_shards(rms_norm_add, x, residual, weight, eps, bias=bias, mode=mode)
     eps = float(eps)
     if torch.compiler.is_compiling():
         return _traced_ops(x).rms_norm_add(x, residual, weight, bias, eps, mode)[0]
