@@ -4,7 +4,9 @@ parallel variant), and stacks that let their layers hand the next norm over (``h
 A patched module keeps its object, parameters and attribute paths; only its class changes, to a subclass of
 the original made here (cached, same ``__name__``, ``__qualname__`` and ``__module__``) whose ``forward`` calls
 the kernels. ``isinstance`` checks and lookups by class name (FSDP, ``_no_split_modules``, output recorders)
-see the original class, and ``GradientCheckpointingLayer`` wraps the new ``forward`` like any subclass's.
+see the original class, and ``GradientCheckpointingLayer`` wraps the new ``forward`` like any subclass's. That
+``forward`` has the original's signature and docstring (a norm's adds ``residual`` and ``add_to``), and the class
+names no hub layer, so ``kernels.kernelize`` leaves it alone.
 A patched module holds no reference to any other module, so copying one copies nothing else; the links from
 each layer to the next norm live on the stack that owns both.
 """
@@ -12,6 +14,7 @@ each layer to the next norm live on the stack that owns both.
 from __future__ import annotations
 
 import inspect
+import types
 
 from torch import Tensor, nn
 
@@ -35,17 +38,22 @@ def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
             "__reduce_ex__": _reduce_ex,
             "_hf_rmsnorm_base": base,
             "_hf_rmsnorm_kind": kind,
+            "kernel_layer_name": _NO_HUB_LAYER,
         }
         if isinstance(kind, NormKind):
-            namespace["forward"] = _norm_forward
+            namespace["forward"] = _forward_like(_norm_forward, base.forward, _norm_signature(base.forward))
         elif isinstance(kind, StackKind):
             # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
-            namespace.update(forward=_stack_forward, _hf_rmsnorm_checked_forward=staticmethod(base.forward))
+            namespace.update(
+                forward=_forward_like(_stack_forward, base.forward),
+                _hf_rmsnorm_checked_forward=staticmethod(base.forward),
+            )
         else:
-            namespace["forward"] = (
+            body = (
                 _parallel_layer_forward if kind.parallel else _post_norm_layer_forward if kind.post_norm
                 else _layer_forward
             )
+            namespace["forward"] = _forward_like(body, base.forward)
             # The original's own argument names (the cache one changed across transformers releases): positional
             # arguments go on to the attention under these, as the original passes them.
             namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
@@ -62,6 +70,53 @@ def layer_arg_names(cls: type) -> tuple[str, ...]:
 def original_class(module: nn.Module) -> type | None:
     """The class a patched module had before patching, or ``None`` if ``module`` is not patched."""
     return type(module).__dict__.get("_hf_rmsnorm_base")
+
+
+class _HiddenHubLayerName:
+    """Hides the ``kernel_layer_name`` a fused class would inherit (transformers' ``use_kernel_forward_from_hub``
+    sets it on the norm classes): ``kernels.kernelize``, run again by a ``use_kernels`` model on every
+    ``train()``/``eval()``, replaces the instance forward of every module whose class has one by a hub layer's,
+    which takes no ``residual`` and fuses nothing. Reading it raises ``AttributeError``, so ``hasattr`` is false
+    and kernelize leaves patched modules, and their kernels, alone."""
+
+    def __get__(self, instance: object, owner: type | None = None):
+        raise AttributeError("kernel_layer_name: a module patched by hf_rmsnorm runs its own fused forward")
+
+
+_NO_HUB_LAYER = _HiddenHubLayerName()
+
+
+def _forward_like(body, original, signature: inspect.Signature | None = None):
+    """``body`` (one of the forwards below) as a function of its own under ``original``'s name, qualified name,
+    docstring (a norm's: ``body``'s, which says what it adds) and signature (``signature``, by default
+    ``original``'s), with its first argument named as ``original`` names it. ``inspect.signature`` (Trainer's
+    column selection, transformers' generation and tests) then sees the parameters the patched module accepts,
+    at no cost per call. Its ``__module__`` stays this module's, so the patcher never takes it for the forward
+    transformers defines."""
+    signature = signature or inspect.signature(original)
+    code = body.__code__
+    if code.co_argcount >= 2:
+        # Gemma's norms take ``x``, nn.LayerNorm ``input``: a call passing it by that name must still work.
+        varnames = list(code.co_varnames)
+        varnames[1] = list(signature.parameters)[1]
+        code = code.replace(co_varnames=tuple(varnames))
+    forward = types.FunctionType(code, body.__globals__, original.__name__, body.__defaults__, body.__closure__)
+    forward.__kwdefaults__ = body.__kwdefaults__
+    forward.__qualname__ = original.__qualname__
+    forward.__doc__ = body.__doc__ if body is _norm_forward else original.__doc__
+    forward.__signature__ = signature
+    return forward
+
+
+def _norm_signature(original) -> inspect.Signature:
+    """``original``'s signature (``self`` and the input) plus what a fused norm adds: ``residual`` and
+    ``add_to``."""
+    signature = inspect.signature(original)
+    added = [
+        inspect.Parameter("residual", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None, annotation=Tensor | None),
+        inspect.Parameter("add_to", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Tensor | None),
+    ]
+    return signature.replace(parameters=list(signature.parameters.values())[:2] + added)
 
 
 def _reduce_ex(self, protocol):
