@@ -20,6 +20,7 @@ from . import fused
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry
 from .handoff import NextNorm
+from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, is_recognisable_norm, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
@@ -34,6 +35,8 @@ class _PatchState:
     layernorms: LayerNormPlan
     swapped: list[tuple[nn.Module, type]] = field(default_factory=list)
     added: list[tuple[nn.Module, str]] = field(default_factory=list)
+    # Hub-kernel forwards (``instance_forwards.hub_forward``) taken off their modules while patched, put back.
+    hub_forwards: list[tuple[nn.Module, types.MethodType]] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +56,11 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     ``post_attention_layernorm`` and, in inference, their MLP residual add into the next layer's input norm
     (the last layer's into the final norm). Outputs, hidden states, hooks, parameters and state dicts stay
     what they were. Patching a patched model does nothing and returns the first report.
+
+    Hub kernels (``kernels.kernelize``, transformers' ``use_kernels=True``): patched modules name no hub layer,
+    so kernelizing a patched model (as a ``use_kernels`` model does on every ``train()``/``eval()``) leaves them
+    on the fused kernels; a module kernelized before patching has its hub forward set aside while patched (the
+    report's ``hub_forwards`` names each) and put back by ``unpatch_model``.
 
     LayerNorm decoders (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) keep their LayerNorms' maths: each
     LayerNorm on the residual stream runs the kernels' exact fused add + LayerNorm, and their residual adds are
@@ -85,6 +93,10 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     try:
         for module, kind in plan.swaps:
             state.swapped.append((module, type(module)))
+            hub_layer_forward = hub_forward(module)
+            if hub_layer_forward is not None:
+                state.hub_forwards.append((module, hub_layer_forward))
+                del module.__dict__["forward"]
             _swap_class(module, fused.fused_class(type(module), kind))
         for module, name, value in plan.attrs + [(root, _STATE_ATTR, state)]:
             state.added.append((module, name))
@@ -113,8 +125,9 @@ def check_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo ``patch_model``: original classes and forwards, no attribute or hook left behind. Weights centred by
-    ``layernorm="rmsnorm"`` stay centred: they give the same outputs in the original LayerNorm model.
+    """Undo ``patch_model``: original classes and forwards (hub-kernel forwards set aside by patching included),
+    no attribute or hook left behind. Weights centred by ``layernorm="rmsnorm"`` stay centred: they give the same
+    outputs in the original LayerNorm model.
 
     Raises:
         ValueError: ``model`` was not patched, or a patched module's class was changed since (for example by
@@ -133,16 +146,33 @@ def unpatch_model(model: nn.Module) -> None:
                 f"{type(module).__module__}.{type(module).__qualname__} after patching; undo that wrapping first"
             )
     _restore(state)
+    _restore_copies(root)
     state.layernorms.remove_hooks()
 
 
+def _restore_copies(root: nn.Module) -> None:
+    """After ``_restore``: gives their original class back to the patched modules copied into ``root`` since
+    patching, which the patch's record does not list: PEFT's ``modules_to_save`` wraps a patched norm with a deep
+    copy of it (the copy it trains). Parts of ``root`` patched by a patch_model call of their own are left alone."""
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        original = fused.original_class(module)
+        if original is not None:
+            _swap_class(module, original)
+        stack.extend(child for child in module.children() if _STATE_ATTR not in child.__dict__)
+
+
 def _restore(state: _PatchState) -> None:
-    """Removes the added attributes and gives every swapped module its original class back."""
+    """Removes the added attributes, gives every swapped module its original class back and puts back the
+    hub-kernel forwards set aside."""
     for module, name in reversed(state.added):
         module.__dict__.pop(name, None)
     for module, original in reversed(state.swapped):
         if type(module) is not original:
             _swap_class(module, original)
+    for module, hub_forward in state.hub_forwards:
+        _set_attr(module, "forward", hub_forward)
 
 
 def _unwrap(model: object) -> nn.Module:
@@ -162,22 +192,19 @@ def _unwrap(model: object) -> nn.Module:
 
 def _swap_class(module: nn.Module, new_cls: type) -> None:
     """Sets ``module``'s class, and re-points the bound forwards that accelerate keeps on the instance
-    (``_old_forward`` under a hook, ``forward`` after ``remove_hook_from_module``) at the new class's forward;
-    otherwise they would keep calling the old one."""
+    (``_old_forward`` under a hook, ``forward`` after ``remove_hook_from_module``) and the one a tensor-parallel
+    wrapper calls at the new class's forward; otherwise they would keep calling the old one."""
     old_forward = type(module).forward
     module.__class__ = new_cls
     for attr in ("forward", "_old_forward"):
-        if _is_bound(module.__dict__.get(attr), module, old_forward):
+        if is_bound(module.__dict__.get(attr), module, old_forward):
             _set_attr(module, attr, types.MethodType(new_cls.forward, module))
+    rebind_tensor_parallel_forward(module, old_forward, new_cls)
 
 
 def _set_attr(module: nn.Module, name: str, value: object) -> None:
     # Bypasses nn.Module.__setattr__, which would register a module-valued attribute as a child module.
     object.__setattr__(module, name, value)
-
-
-def _is_bound(method: object, module: nn.Module, function: object) -> bool:
-    return isinstance(method, types.MethodType) and method.__self__ is module and method.__func__ is function
 
 
 def _backend_of(root: nn.Module) -> str:
@@ -203,7 +230,8 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
     model_type = getattr(getattr(root, "config", None), "model_type", None)
     if model_type:
         model_name += f" (model_type {model_type!r})"
-    found = sorted({type(m).__name__ for _, m in root.named_modules() if _is_norm_like(m)})
+    norms = {name: type(m).__name__ for name, m in root.named_modules() if _is_norm_like(m)}
+    found = sorted(set(norms.values()))
     has_layernorm = any(isinstance(m, nn.LayerNorm) for m in root.modules())
     if layernorm == "rmsnorm" and has_layernorm:
         raise UnconvertibleModelError(
@@ -215,9 +243,22 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
         ", outside a supported decoder (post-LN encoders such as BERT are not supported)"
         if has_layernorm and layernorm != "skip" else ""
     )
+    # Without the hint, why each norm found was left alone (a tensor-parallel style, a replaced forward...).
+    reasons = "" if hint else _skip_reasons([(name, reason) for name, reason in plan.report.skipped if name in norms])
     raise UnsupportedModelError(
-        f"{model_name} has no norm hf_rmsnorm can patch (found: {', '.join(found) or 'none'}{hint}); "
+        f"{model_name} has no norm hf_rmsnorm can patch (found: {', '.join(found) or 'none'}{hint}{reasons}); "
         "supported families: hf_rmsnorm.patch.family_names()"
+    )
+
+
+def _skip_reasons(skipped: list[tuple[str, str]]) -> str:
+    """Each distinct reason norms were left alone, after the first norm it applies to, for a refusal."""
+    modules: dict[str, list[str]] = {}
+    for name, reason in skipped:
+        modules.setdefault(reason, []).append(name)
+    return "".join(
+        f"; {names[0]}{f' and {len(names) - 1} more' if len(names) > 1 else ''}: {reason}"
+        for reason, names in modules.items()
     )
 
 
@@ -234,6 +275,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     layers = _plan_layers(layer_candidates, norms, plan)
     _report_unknown_layers(unknown_layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
+    _report_hub_forwards(root, plan)
     return plan
 
 
@@ -269,7 +311,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             plan.report.skipped.append((name, layernorms.skipped[module]))
         elif cls in reg.norms or module in layernorms.norms:
             family, kind = layernorms.norms[module] if module in layernorms.norms else reg.norms[cls]
-            problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or _instance_problem(module)
+            problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or instance_problem(module)
             if not problem and module not in layernorms.norms:
                 # nn.LayerNorm's forward is torch's own; a registered class's is checked against its entry.
                 problem = recogniser.registry_problem(module, kind, model_dtype)
@@ -280,7 +322,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
         elif is_recognisable_norm(module):
             # Probed as its class's forward, so an inherited or replaced forward is judged by what it computes.
             verdict = recogniser.verdict(module, model_dtype)
-            problem = verdict.reason if verdict.kind is None else _instance_problem(module)
+            problem = verdict.reason if verdict.kind is None else instance_problem(module)
             if problem:
                 plan.report.skipped.append((name, problem))
             else:
@@ -327,7 +369,7 @@ def _plan_layers(
     for name, layer, kinds in candidates:
         problems: dict[str, None] = {}
         for kind in kinds:
-            problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or _instance_problem(layer)
+            problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or instance_problem(layer)
             if problem is None:
                 break
             problems.setdefault(problem)
@@ -358,7 +400,7 @@ def _plan_handoffs(
         links = _stack_links(stack, kind, layers, norms)
         if not links:
             continue
-        problem = _class_problem(type(stack)) or _instance_problem(stack)
+        problem = _class_problem(type(stack)) or instance_problem(stack)
         if problem:
             plan.report.skipped.append((name, f"residual adds across layers not fused: {problem}"))
             continue
@@ -427,15 +469,15 @@ def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     return None
 
 
-def _instance_problem(module: nn.Module) -> str | None:
-    """An instance whose forward was replaced (other than by accelerate, whose hook calls ``_old_forward``)."""
-    class_forward = type(module).forward
-    forward = module.__dict__.get("forward")
-    if forward is None or _is_bound(forward, module, class_forward):
-        return None
-    if "_hf_hook" in module.__dict__ and _is_bound(module.__dict__.get("_old_forward"), module, class_forward):
-        return None
-    return "its forward was replaced on the instance; call patch_model before wrapping it"
+def _report_hub_forwards(root: nn.Module, plan: _Plan) -> None:
+    """Names, in the report, the hub layer whose forward each planned module runs in place of its class's."""
+    taken = {module for module, _ in plan.swaps if hub_forward(module) is not None}
+    for name, module in root.named_modules():
+        if module in taken:
+            plan.report.hub_forwards.append(
+                f"{name}: hub layer {function_path(module.forward).removesuffix('.forward')} "
+                f"(kernel_layer_name {type(module).kernel_layer_name!r}) set aside, the fused forward runs"
+            )
 
 
 def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str]) -> str | None:
@@ -447,8 +489,14 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
     ) + 1:
         return f"forward({', '.join(str(p) for p in params)}) is not the signature this transformers family had"
     for attr in kind.norms:
-        if getattr(layer, attr, None) not in norms:
-            return f"{attr} is a {type(getattr(layer, attr, None)).__name__}, not a patched norm"
+        norm = getattr(layer, attr, None)
+        if norm not in norms:
+            # PEFT's modules_to_save wrapper keeps the norm as its original_module, beside the copy it trains.
+            hint = (
+                " (it wraps one, as PEFT's modules_to_save does: call patch_model before get_peft_model to fuse "
+                "this layer's adds)" if getattr(norm, "original_module", None) in norms else ""
+            )
+            return f"{attr} is a {type(norm).__name__}, not a patched norm{hint}"
     attention = kind.attention
     if kind.mixer_switch is not None:
         switch = getattr(layer, kind.mixer_switch, None)

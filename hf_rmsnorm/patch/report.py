@@ -30,6 +30,9 @@ class PatchReport:
         centred_inputs: the layers whose input the conversion centres on every forward (the stream's entrance).
         backend: what runs the norms where the model's weights are now (``hf_rmsnorm.ops.backend.describe``):
             the compiled Triton kernels, the same kernels in Triton's CPU interpreter, or the PyTorch path.
+        hub_forwards: the patched modules whose hub-kernel forward (installed on the instance by
+            ``kernels.kernelize``) is set aside while patched, one line each naming the hub layer: the fused
+            forward runs instead, and ``unpatch_model`` puts the hub one back.
     """
 
     norms: list[str] = field(default_factory=list)
@@ -40,6 +43,7 @@ class PatchReport:
     centred: list[str] = field(default_factory=list)
     centred_inputs: list[str] = field(default_factory=list)
     backend: str = ""
+    hub_forwards: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         families = f" ({', '.join(self.families)})" if self.families else ""
@@ -57,6 +61,7 @@ class PatchReport:
             ("parameters centred (once, by the conversion)", self.centred),
             ("inputs centred on every forward (by the conversion)", self.centred_inputs),
             ("fused residual adds", self.fused_adds),
+            ("hub-kernel forwards set aside while patched", self.hub_forwards),
             ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
         ):
             if items:
