@@ -125,7 +125,8 @@ def check_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
 
 
 def unpatch_model(model: nn.Module) -> None:
-    """Undo ``patch_model``: original classes and forwards (hub-kernel forwards set aside by patching included),
+    """Undo ``patch_model``: original classes and forwards (hub-kernel forwards set aside by patching included,
+    and patched modules copied into the model since, such as the norm copies PEFT's ``modules_to_save`` trains),
     no attribute or hook left behind. Weights centred by ``layernorm="rmsnorm"`` stay centred: they give the same
     outputs in the original LayerNorm model.
 
