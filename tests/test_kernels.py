@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
-from hf_rmsnorm.ops import reference
+from hf_rmsnorm.ops import launch, reference
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
@@ -423,6 +423,81 @@ def test_weight_gradient_is_deterministic():
     first = _grads(rms_norm(x, weight, EPS), (weight,), (dy,))[0]
     second = _grads(rms_norm(x, weight, EPS), (weight,), (dy,))[0]
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("n_cols", [1, 127, 4095, 4096, 8191, 8192, 8193, 12289, 16383, 16384, 16385, 65536])
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_backward_plan_at_every_threshold(n_cols, elem_bytes):
+    """One tile per row up to BWD_MAX_TILE_N, pipelined where its staging buffers fit; the looped kernel above."""
+    plan = launch.backward_plan(n_cols, elem_bytes)
+    assert plan.single_tile == (n_cols <= launch.BWD_MAX_TILE_N)
+    assert 1 <= plan.programs_per_sm <= launch.BWD_MAX_PROGRAMS_PER_SM and 4 <= plan.num_warps <= 16
+    if plan.single_tile:
+        assert plan.block_n >= n_cols
+        assert plan.block_m * plan.block_n <= max(launch.TARGET_TILE_ELEMENTS, plan.block_n)
+        staged = launch.BWD_LOADED_TENSORS * plan.block_m * plan.block_n * elem_bytes * plan.num_stages
+        assert plan.num_stages == 1 or staged <= launch.BWD_PIPELINE_SMEM_BYTES
+    else:
+        assert (plan.block_m, plan.block_n, plan.num_stages) == (1, launch.LOOP_BLOCK_N, 1)
+    if elem_bytes == 2 and n_cols <= 8192:  # bf16/fp16 rows up to 8192 are pipelined
+        assert plan.num_stages > 1
+
+
+@pytest.mark.parametrize("n_cols", [8191, 8192, 8193, 16384, 16385])
+def test_backward_at_the_tile_thresholds(n_cols):
+    """Just below, at and above the single-tile limit and the next power of two, against eager and fp64."""
+    x = _randn(3, n_cols, dtype=torch.bfloat16, seed=70).requires_grad_()
+    r = _randn(3, n_cols, dtype=torch.bfloat16, scale=3, seed=71).requires_grad_()
+    weight = _randn(n_cols, dtype=torch.bfloat16, seed=72).requires_grad_()
+    dy, dsum = _randn(3, n_cols, dtype=torch.bfloat16, seed=73), _randn(3, n_cols, dtype=torch.bfloat16, seed=74)
+    ours = _grads(fused_add_rms_norm(x, r, weight, EPS), (x, r, weight), (dy, dsum))
+    module = _hf_module(LlamaRMSNorm, weight.detach())
+    hf_sum = r + x
+    hf = _grads((module(hf_sum), hf_sum), (x, r, module.weight), (dy, dsum))
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, r, weight)]
+    exact = _grads((_fp64_reference(*inputs64), inputs64[1] + inputs64[0]), inputs64, (dy.double(), dsum.double()))
+    _assert_no_less_accurate(ours, hf, exact)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_partial_sums_reduce_deterministically_and_accurately_over_many_programs(out_dtype):
+    """sum_partials_kernel over 333 partial rows (as many programs as a GPU runs; several BLOCK_P steps and a
+    ragged last one) of an odd width: bitwise the same twice, as close to the fp64 sum as torch's fp32 sum."""
+    n_partials, n_cols = 333, 203
+    partials = _randn(n_partials, n_cols, seed=75) * torch.logspace(-3, 3, n_cols, device=DEVICE)
+    bias_partials = _randn(n_partials, n_cols, seed=76)
+
+    def reduce():
+        dw = torch.empty(n_cols, dtype=out_dtype, device=DEVICE)
+        db = torch.empty(n_cols, dtype=torch.float32, device=DEVICE)
+        launch._launch(launch.sum_partials_kernel, launch._cdiv(n_cols, launch.REDUCE_BLOCK_N),
+                       (partials, bias_partials, dw, db, n_partials, n_cols),
+                       dict(HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_P=launch.REDUCE_BLOCK_P,
+                            BLOCK_N=launch.REDUCE_BLOCK_N), launch.REDUCE_NUM_WARPS)
+        return dw, db
+
+    (dw, db), (dw_again, db_again) = reduce(), reduce()
+    assert torch.equal(dw, dw_again) and torch.equal(db, db_again)
+    for ours, parts in ((dw, partials), (db, bias_partials)):
+        exact = parts.double().sum(0)
+        eager = parts.sum(0).to(ours.dtype)
+        # The sum's own fp32 rounding, relative to the magnitudes added (the partials cancel), then the cast's.
+        rounding = 4 * torch.finfo(torch.float32).eps * parts.double().abs().sum(0)
+        rounding += torch.finfo(ours.dtype).eps * exact.abs()
+        assert ((ours.double() - exact).abs() <= (eager.double() - exact).abs() + rounding).all()
+
+
+def test_weight_gradient_with_many_backward_programs(monkeypatch):
+    """As many backward programs as row blocks (each writes one partial row, the reduction adds them all):
+    the same gradients as with few programs, up to the order of the fp32 additions."""
+    x = _randn(40, 96, seed=77).requires_grad_()
+    weight = _randn(96, seed=78).requires_grad_()
+    dy = _randn(40, 96, seed=79)
+    few = _grads(rms_norm(x, weight, EPS), (x, weight), (dy,))
+    monkeypatch.setattr(launch, "INTERPRET_BWD_PROGRAMS", 1000)
+    many = _grads(rms_norm(x, weight, EPS), (x, weight), (dy,))
+    assert torch.equal(few[0], many[0])
+    torch.testing.assert_close(many[1], few[1], rtol=1e-6, atol=1e-6)
 
 
 def test_unknown_mode_is_a_clear_error():

@@ -19,24 +19,26 @@ from hf_rmsnorm import fused_add_rms_norm, rms_norm
 from hf_rmsnorm.ops import functional, launch
 
 TRACE_SCRIPT = Path(__file__).with_name("trace_compiled_ops.py")
-FWD, BWD = "norm_fwd_kernel", "norm_bwd_kernel"
+FWD, BWD, SUM = "norm_fwd_kernel", "norm_bwd_kernel", "sum_partials_kernel"
+# The backward's second launch adds the programs' weight-gradient partial rows up and casts to the weight's dtype.
+SUM_LAUNCH = (SUM, ["DW"])
 
-# case: (the kernel, the arguments it writes, where each graph output comes from)
+# case: (each kernel launched, in order, with the arguments it writes; where each graph output comes from)
 KERNEL_CASES = {
-    "rms_norm": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
-    "rms_norm_weightless": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
-    "rms_norm_gemma_fp32_weight": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
-    "fused_add_rms_norm": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "fused_add_layernorm": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "fused_add_rms_norm_dynamic": (FWD, ["RSTD", "SUM_OUT", "Y"], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "rms_norm_add": (FWD, ["RSTD", "Y"], [f"{FWD}:Y"]),
+    "rms_norm": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
+    "rms_norm_weightless": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
+    "rms_norm_gemma_fp32_weight": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
+    "fused_add_rms_norm": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "fused_add_layernorm": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "fused_add_rms_norm_dynamic": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "rms_norm_add": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
     # The norm's output (bf16) is not the residual's dtype: the kernel normalises, torch adds.
-    "rms_norm_add_fp32_residual": (FWD, ["RSTD", "Y"], ["aten.add.Tensor"]),
-    # dx, then the weight's gradient: the sum of the programs' partial sums, cast to the weight's bf16.
-    "rms_norm_backward": (BWD, ["DW_PARTIAL", "DX"], [f"{BWD}:DX", "aten._to_copy.default"]),
-    "fused_add_backward": (BWD, ["DRES", "DW_PARTIAL", "DX"], [f"{BWD}:DX", f"{BWD}:DRES", "aten.sum.dim_IntList"]),
-    "fused_add_backward_dynamic": (BWD, ["DRES", "DW_PARTIAL", "DX"],
-                                   [f"{BWD}:DX", f"{BWD}:DRES", "aten.sum.dim_IntList"]),
+    "rms_norm_add_fp32_residual": ([(FWD, ["RSTD", "Y"])], ["aten.add.Tensor"]),
+    "rms_norm_backward": ([(BWD, ["DW_PARTIAL", "DX"]), SUM_LAUNCH], [f"{BWD}:DX", f"{SUM}:DW"]),
+    "fused_add_backward": ([(BWD, ["DRES", "DW_PARTIAL", "DX"]), SUM_LAUNCH],
+                           [f"{BWD}:DX", f"{BWD}:DRES", f"{SUM}:DW"]),
+    "fused_add_backward_dynamic": ([(BWD, ["DRES", "DW_PARTIAL", "DX"]), SUM_LAUNCH],
+                                   [f"{BWD}:DX", f"{BWD}:DRES", f"{SUM}:DW"]),
 }
 
 
@@ -49,13 +51,12 @@ def traced() -> dict:
 
 @pytest.mark.parametrize("case", KERNEL_CASES)
 def test_compiled_calls_on_a_gpu_trace_into_the_kernel_launch(traced, case):
-    """One launch of the kernel in the graph inductor gets, no custom op left; torch's analysis finds that the
+    """The kernel launches in the graph inductor gets, no custom op left; torch's analysis finds that each
     kernel writes its outputs and nothing else (an input it thought written would be cloned and copied back),
     and each output of the graph is the kernel argument it should be."""
-    kernel, writes, outputs = KERNEL_CASES[case]
+    launches, outputs = KERNEL_CASES[case]
     graph = traced["cases"][case]
-    hop, = graph["hops"]
-    assert hop["kernel"] == kernel and hop["writes"] == writes
+    assert [(hop["kernel"], hop["writes"]) for hop in graph["hops"]] == launches
     assert graph["outputs"] == outputs
     assert not [op for op in graph["ops"] if "hf_rmsnorm" in op]
 
@@ -81,8 +82,9 @@ def test_dynamic_shapes_keep_the_rows_symbolic_and_specialise_the_width(traced):
     recompiles); the row count stays symbolic, so other batch and sequence sizes reuse the graph."""
     assert traced["cases"]["fused_add_rms_norm"]["hops"][0]["symbolic"] == []
     assert traced["cases"]["fused_add_rms_norm_dynamic"]["hops"][0]["symbolic"] == ["n_rows"]
-    assert traced["cases"]["fused_add_backward_dynamic"]["hops"][0]["symbolic"] == [
-        "n_row_blocks", "n_rows", "row_blocks_per_program"]
+    assert traced["cases"]["fused_add_backward_dynamic"]["hops"][0]["symbolic"] == ["n_row_blocks", "n_rows"]
+    # The number of partial rows is the backward's program count: min(row blocks, programs the GPU holds).
+    assert traced["cases"]["fused_add_backward_dynamic"]["hops"][1]["symbolic"] == ["n_partials"]
 
 
 def test_dtypes_the_kernels_do_not_load_trace_to_aten_ops(traced):
@@ -97,7 +99,7 @@ def test_torch_finds_the_kernels_of_each_triton_op(traced):
     code: a kernel it missed would let a cache compiled with an older kernel be reused."""
     assert traced["kernels_of_ops"] == {
         "rms_norm_fwd_triton": [FWD], "add_rms_norm_fwd_triton": [FWD], "rms_norm_add_fwd_triton": [FWD],
-        "rms_norm_bwd_triton": [BWD],
+        "rms_norm_bwd_triton": [BWD, SUM],
     }
 
 

@@ -3,7 +3,9 @@
 Memory traffic is the whole cost of these kernels, so each one touches every element the minimum number of
 times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``residual + x`` once (8 bytes per
 element in bf16) plus one fp32 ``rstd`` per row; the backward reads ``dy``, the saved sum and the incoming
-gradient of the sum once and writes the input gradient once.
+gradient of the sum once and writes the input gradient once. Its weight (and bias) gradient is summed over all
+of a program's rows in fp32 registers and written once per program; ``sum_partials_kernel`` then adds the
+programs' rows up in a fixed order.
 
 Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK_M`` rows, so narrow rows
 (``head_dim`` 128 for Qwen3's q/k norms) still give each program enough work. Wider rows loop over column
@@ -176,13 +178,25 @@ def norm_fwd_kernel(
 
 
 @triton.jit
+def _load_weight(W, cols, col_mask, HAS_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
+    """The weight's columns in fp32 with the family's offset added (Gemma's ``1 + w``); 0 without a weight."""
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHT_OFFSET != 0.0:
+            w = w + WEIGHT_OFFSET
+    else:
+        w = tl.zeros(cols.shape, dtype=tl.float32)
+    return w
+
+
+@triton.jit
 def _input_grad_tile(
-    DY, S, W, rows, cols, col_mask, mask, rstd, mean, stride_dy, stride_s,
-    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Loads one tile and returns ``(dy, n, g, n_weighted)``: the output gradient, the normalised row,
     ``g = dy * w`` (the gradient at the normalised row; ``dy`` without a weight) and the row the weight was
-    multiplied with."""
+    multiplied with. ``w`` is ``_load_weight``'s result for these columns."""
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
     s = s.to(tl.float32)
@@ -190,9 +204,6 @@ def _input_grad_tile(
         s = s - mean[:, None]
     n = s * rstd[:, None]
     if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if WEIGHT_OFFSET != 0.0:
-            w = w + WEIGHT_OFFSET
         g = dy * w[None, :]
     else:
         g = dy
@@ -220,25 +231,33 @@ def _store_input_grad(
 @triton.jit
 def norm_bwd_kernel(
     DY, DSUM, S, RSTD, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
-    n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+    n_rows, n_cols, n_row_blocks,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Program ``p`` handles a contiguous range of row blocks and writes its own fp32 partial sums of the
-    weight (and bias) gradient into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); the host sums those rows.
-    No atomics, so the result is deterministic, and a program with no rows still writes its zeros."""
+    """A persistent grid: program ``p`` of ``P`` handles row blocks ``p, p + P, p + 2P, ...`` and writes its
+    own fp32 partial sums of the weight (and bias) gradient, over all its rows, into row ``p`` of
+    ``DW_PARTIAL`` (``DB_PARTIAL``); ``sum_partials_kernel`` then adds those rows up. No atomics, so the
+    result is deterministic, and a program with no rows still writes its zeros.
+
+    Rows that fit in one tile (``SINGLE_TILE``) are pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes
+    the compiler prefetch the next row blocks' loads into shared memory (asynchronous copies on sm_80 and later)
+    while the current block is computed; the weight is loaded once, outside the loop. Their programs stride over
+    the row blocks rather than take a contiguous range each: the programs' row counts then differ by at most one
+    block (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read
+    neighbouring rows. Wider rows take the looped variant below, with a contiguous range per program."""
     pid = tl.program_id(0)
-    first_block = pid * row_blocks_per_program
-    end_block = tl.minimum(first_block + row_blocks_per_program, n_row_blocks)
+    n_programs = tl.num_programs(0)
     partial_row = pid.to(tl.int64) * n_cols
     if SINGLE_TILE:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
+        w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
         dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in range(first_block, end_block):
+        for block in tl.range(pid, n_row_blocks, n_programs, num_stages=NUM_STAGES):
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             mask = row_mask[:, None] & col_mask[None, :]
@@ -247,9 +266,8 @@ def norm_bwd_kernel(
                 mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
             else:
                 mean = rstd  # not read without CENTER
-            dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                    stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
-                                                    WEIGHT_OFFSET, CENTER)
+            dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                    HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
             dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
             if CENTER:
                 dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
@@ -277,7 +295,11 @@ def norm_bwd_kernel(
                 tl.store(DB_PARTIAL + partial_row + cols, zeros, mask=col_mask)
         # Loads and stores of the partials may map columns to threads differently: order them.
         tl.debug_barrier()
-        for block in range(first_block, end_block):
+        # A contiguous range of row blocks per program here, as before the single tile was pipelined: striding
+        # made ptxas spill 8-40 bytes in this variant at odd widths (sm_80 and sm_90, Triton 3.6 and 3.9).
+        blocks_per_program = tl.cdiv(n_row_blocks, n_programs)
+        first_block = pid * blocks_per_program
+        for block in range(first_block, tl.minimum(first_block + blocks_per_program, n_row_blocks)):
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
             row_mask = rows < n_rows
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -291,10 +313,9 @@ def norm_bwd_kernel(
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                        stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
-                                                        WEIGHT_OFFSET,
-                                                        CENTER)
+                w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy,
+                                                        stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
                 dot += g * n
                 if CENTER:
                     g_sum += g
@@ -304,10 +325,9 @@ def norm_bwd_kernel(
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < n_cols
                 mask = row_mask[:, None] & col_mask[None, :]
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, W, rows, cols, col_mask, mask, rstd, mean,
-                                                        stride_dy, stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT,
-                                                        WEIGHT_OFFSET,
-                                                        CENTER)
+                w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+                dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy,
+                                                        stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
                 dx = g - n * c[:, None]
                 if CENTER:
                     dx -= g_mean[:, None]
@@ -321,3 +341,32 @@ def norm_bwd_kernel(
                     db = tl.load(DB_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
                     tl.store(DB_PARTIAL + partial_row + cols, db + tl.sum(dy, axis=0), mask=col_mask)
             tl.debug_barrier()
+
+
+@triton.jit
+def sum_partials_kernel(
+    DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """``DW = DW_PARTIAL.sum(0)`` cast to ``DW``'s dtype (and the same for the bias): the backward's last step.
+
+    Each program owns ``BLOCK_N`` columns and walks down the ``n_partials`` rows ``BLOCK_P`` at a time, adding
+    them into a ``[BLOCK_P, BLOCK_N]`` fp32 accumulator that one ``tl.sum`` folds at the end. The order of every
+    addition is fixed by the shapes alone (no atomics, no split across programs), so the result is the same run
+    to run; summing ``BLOCK_P`` interleaved chains rather than one keeps the fp32 rounding error small."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    dw_acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_partials, BLOCK_P):
+        parts = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+        mask = (parts < n_partials)[:, None] & col_mask[None, :]
+        offsets = parts[:, None] * n_cols + cols[None, :]
+        if HAS_WEIGHT:
+            dw_acc += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db_acc += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)

@@ -16,18 +16,43 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher
-from .kernels import norm_bwd_kernel, norm_fwd_kernel
+from .kernels import norm_bwd_kernel, norm_fwd_kernel, sum_partials_kernel
 from .modes import Mode, dtype_of, get_mode, sum_dtype
 
 # Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
-# The backward keeps more values live per element (dy, n, g and the weight-gradient accumulator).
+# The backward keeps about four fp32 values live per element across a row's reduction (the weight, its gradient's
+# accumulator, dy and the row): at 16384 elements that is 64K registers, an SM's whole register file, and such a
+# tile spills at any warp count (sm_90, Triton 3.9: 136-1576 bytes a thread at 16 or 32 warps). So the single
+# tile stops at 8192.
 FWD_MAX_TILE_N = 16384
 BWD_MAX_TILE_N = 8192
 LOOP_BLOCK_N = 4096
 # Elements per program for narrow rows: several rows share a program so each has enough work.
 TARGET_TILE_ELEMENTS = 4096
-# Backward programs per SM: each keeps its own weight-gradient partials, summed on the host.
-BWD_PROGRAMS_PER_SM = 4
+# The backward's row loop is pipelined over up to BWD_MAX_STAGES row blocks (tl.range's num_stages), as many as
+# keep the staging buffers, one [BLOCK_M, BLOCK_N] tile of dy, the norm's input and dsum per stage, within
+# BWD_PIPELINE_SMEM_BYTES: an A100's 164 KiB of shared memory per block, less room for the reductions' scratch.
+# The count is an upper bound: Triton allocates num_stages - 1 buffers (96 KiB for bf16 rows of 8192 with dsum
+# and 3 stages, compiled offline with Triton 3.6 and 3.9).
+BWD_MAX_STAGES = 3
+BWD_PIPELINE_SMEM_BYTES = 160 * 1024
+BWD_LOADED_TENSORS = 3
+# The single-tile backward runs 16 warps a program whatever the tile: with 8 (the forward's choice for tiles of
+# 4096 elements) ptxas held some pipelined variants to 128 registers and spilled 8 bytes (fp32 LayerNorm with a
+# bias at width 4096 on Triton 3.9; bf16 at width 896 for sm_80 on 3.6); with 16 they take 58-110, no spill.
+BWD_SINGLE_TILE_WARPS = 16
+# Backward programs per SM: at most BWD_MAX_PROGRAMS_PER_SM, fewer where their registers or shared memory would
+# not all be resident at once (a persistent grid wants every program running from the start). The register
+# budget assumes ptxas's cap of BWD_REGISTERS_PER_THREAD; an SM has 64K registers and 228 KiB of shared memory on
+# sm_90 (sm_80: 164 KiB).
+BWD_MAX_PROGRAMS_PER_SM = 4
+BWD_REGISTERS_PER_THREAD = 128
+REGISTERS_PER_SM = 65536
+SMEM_PER_SM_BYTES = 228 * 1024
+# The weight-gradient reduction: columns per program, partial rows added per step, warps.
+REDUCE_BLOCK_N = 64
+REDUCE_BLOCK_P = 32
+REDUCE_NUM_WARPS = 4
 # The interpreter runs programs one after another; a few are enough to exercise the partial sums.
 INTERPRET_BWD_PROGRAMS = 3
 
@@ -44,13 +69,42 @@ def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
     return block_m, block_n, True, num_warps
 
 
+class BackwardPlan(NamedTuple):
+    """How the backward is tiled and launched for one width and activation dtype (``backward_plan``)."""
+
+    block_m: int
+    block_n: int
+    single_tile: bool
+    num_warps: int
+    num_stages: int  # row blocks in flight in the pipelined row loop; 1: not pipelined
+    programs_per_sm: int
+
+
+@functools.lru_cache(maxsize=None)
+def backward_plan(n_cols: int, elem_bytes: int) -> BackwardPlan:
+    """The backward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the widest of the loaded
+    activations: ``dy``, the norm's input, ``dsum``). Rows up to ``BWD_MAX_TILE_N`` are one tile, pipelined over
+    row blocks; wider rows take the looped kernel (columns in blocks of ``LOOP_BLOCK_N``, no pipelining)."""
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
+    if not single_tile:
+        return BackwardPlan(block_m, block_n, False, num_warps, 1, BWD_MAX_PROGRAMS_PER_SM)
+    num_warps = BWD_SINGLE_TILE_WARPS
+    stage_bytes = BWD_LOADED_TENSORS * block_m * block_n * elem_bytes
+    num_stages = max(1, min(BWD_MAX_STAGES, BWD_PIPELINE_SMEM_BYTES // stage_bytes))
+    staged_bytes = stage_bytes * num_stages if num_stages > 1 else 0
+    programs_per_sm = min(BWD_MAX_PROGRAMS_PER_SM,
+                          REGISTERS_PER_SM // (num_warps * 32 * BWD_REGISTERS_PER_THREAD),
+                          SMEM_PER_SM_BYTES // staged_bytes if staged_bytes else BWD_MAX_PROGRAMS_PER_SM)
+    return BackwardPlan(block_m, block_n, True, num_warps, num_stages, max(1, programs_per_sm))
+
+
 def is_traced(t: torch.Tensor) -> bool:
     """Whether ``t`` stands for a tensor while torch.compile traces a graph (fake or functional), rather than holding
     data: the kernels' launches are then recorded in the graph instead of run."""
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel)}
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, sum_partials_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
@@ -205,17 +259,18 @@ def norm_backward(
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the backward kernel. Returns ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only
-    allocated when its dtype differs from ``dx``'s (otherwise the caller reuses ``dx``); ``dweight`` is None
-    without a weight."""
+    """Runs the backward kernel, then ``sum_partials_kernel`` for the weight (and bias) gradient. Returns
+    ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
+    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight."""
     shape = norm_input.shape
     n_cols = int(shape[-1])  # concrete, as in the forward
     device = norm_input.device
     dx = _new_rows(norm_input, dx_dtype)
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
     n_rows = norm_input.numel() // n_cols if n_cols else 0
-    block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
-    n_row_blocks = _cdiv(n_rows, block_m)
+    elem_bytes = max(t.element_size() for t in (dy, norm_input, dsum) if t is not None)
+    plan = backward_plan(n_cols, elem_bytes)
+    n_row_blocks = _cdiv(n_rows, plan.block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = None if weight is None else torch.zeros_like(weight)
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
@@ -224,8 +279,7 @@ def norm_backward(
     if not dy.is_cuda:  # Triton's interpreter (launch.py only runs on the CPU there)
         n_programs = min(n_row_blocks, INTERPRET_BWD_PROGRAMS)
     else:
-        n_programs = min(n_row_blocks, _sm_count(device.index or 0) * BWD_PROGRAMS_PER_SM)
-    row_blocks_per_program = _cdiv(n_row_blocks, n_programs)
+        n_programs = min(n_row_blocks, _sm_count(device.index or 0) * plan.programs_per_sm)
     dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
     db_partial = None if bias_dtype is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
 
@@ -237,13 +291,22 @@ def norm_backward(
     _launch(
         wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, n_programs,
         (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
-         n_rows, n_cols, n_row_blocks, row_blocks_per_program,
+         n_rows, n_cols, n_row_blocks,
          stride_dy, stride_dsum, stride_s, n_cols, n_cols),
         dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
-             HAS_BIAS=bias_dtype is not None,
-             **get_mode(mode).kernel_flags, BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile),
-        num_warps,
+             HAS_BIAS=bias_dtype is not None, **get_mode(mode).kernel_flags, BLOCK_M=plan.block_m,
+             BLOCK_N=plan.block_n, SINGLE_TILE=plan.single_tile, NUM_STAGES=plan.num_stages),
+        plan.num_warps,
     )
-    dweight = None if dw_partial is None else dw_partial.sum(0).to(weight.dtype)
-    dbias = None if db_partial is None else db_partial.sum(0).to(bias_dtype)
+    dweight = None if weight is None else torch.empty_like(weight)
+    dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
+    if dweight is not None or dbias is not None:
+        _launch(
+            wrap_triton(sum_partials_kernel) if is_traced(dy) else sum_partials_kernel,
+            _cdiv(n_cols, REDUCE_BLOCK_N),
+            (dw_partial, db_partial, dweight, dbias, n_programs, n_cols),
+            dict(HAS_WEIGHT=dweight is not None, HAS_BIAS=dbias is not None, BLOCK_P=REDUCE_BLOCK_P,
+                 BLOCK_N=REDUCE_BLOCK_N),
+            REDUCE_NUM_WARPS,
+        )
     return dx, dres, dweight, dbias

@@ -1,14 +1,15 @@
 """Compiles every launch variant of the RMSNorm kernels for a GPU architecture, offline, and reports what the
-machine code does with registers and memory: registers per thread, spilled bytes and the widest global load.
+machine code does with registers and memory: registers per thread, spilled bytes, the widest global load and
+the asynchronous global-to-shared copies (``LDGSTS``, PTX ``cp.async``) of the backward's pipelined row loop.
 
 No GPU is needed: ``triton.compile`` builds PTX and a cubin for any target, ``cuobjdump`` reads the cubin's
 resource usage and ``nvdisasm`` its SASS (both ship inside the Triton wheel).
 
 The kernels are not described twice. Each variant calls launch.py's own ``norm_forward`` / ``norm_backward`` on
 ``meta`` tensors with the kernels swapped for a recorder, so the arguments, the constexprs (``BLOCK_M``,
-``BLOCK_N``, ``SINGLE_TILE``) and ``num_warps`` are exactly those a real launch passes; Triton's own argument
-binder then specialises them as at run time (pointers and integers divisible by 16 get ``tt.divisibility``),
-so the load widths are those of real launches.
+``BLOCK_N``, ``SINGLE_TILE``, ``NUM_STAGES``) and ``num_warps`` are exactly those a real launch passes;
+Triton's own argument binder then specialises them as at run time (pointers and integers divisible by 16 get
+``tt.divisibility``), so the load widths are those of real launches.
 
 ``run_inspection`` is what ``scripts/inspect_kernels.py`` runs; the script reads the command line (into an
 ``InspectConfig``), sets the kernels up for a GPU before any is defined, finds the binary tools with
@@ -42,19 +43,23 @@ DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ROWS = 4095
 # SMs of the reference card of each architecture (H100 SXM, A100); only the backward's program count uses it.
 SM_COUNTS = {"sm_80": 108, "sm_90": 132}
-# "infer": a forward without autograd, which skips the statistics only the backward reads.
-VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias")
+# "infer": a forward without autograd, which skips the statistics only the backward reads. "bwd-sum": the launch
+# after the backward's, which adds the programs' weight-gradient partial rows up (sum_partials_kernel).
+VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias",
+            "bwd-sum")
 
 # Global loads (LDGSTS, the asynchronous global-to-shared copy, reads global memory too) and stores.
 _GLOBAL_ACCESS = re.compile(r"\b(LDGSTS|LDG|STG)((?:\.\w+)*)\s")
 _RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 _LOCAL_ACCESS = re.compile(r"\b(?:LDL|STL)\b")
+_ASYNC_COPY = re.compile(r"\bLDGSTS\b")
 
 
 @dataclass
 class Record:
     """What one compiled variant costs. ``spill_bytes`` is the per-thread stack frame plus local memory:
-    these kernels have no local arrays or calls, so any of either is spilled registers."""
+    these kernels have no local arrays or calls, so any of either is spilled registers. ``block_m`` is the
+    reduction's partial rows per step for ``bwd-sum``; ``async_copies`` counts ``LDGSTS`` instructions."""
 
     arch: str
     kernel: str
@@ -67,12 +72,14 @@ class Record:
     block_n: int
     single_tile: bool
     num_warps: int
+    num_stages: int
     registers: int
     spill_bytes: int
     local_mem_ops: int
     shared_bytes: int
     vector_bits: int
     store_vector_bits: int
+    async_copies: int
     load_widths: dict[int, int] = field(default_factory=dict)
 
 
@@ -101,6 +108,12 @@ def global_access_widths(sass: str) -> tuple[Counter[int], Counter[int]]:
     return loads, stores
 
 
+def count_async_copies(sass: str) -> int:
+    """``LDGSTS`` instructions: the asynchronous global-to-shared copies (PTX ``cp.async``) that a software-
+    pipelined loop prefetches with on sm_80 and later."""
+    return len(_ASYNC_COPY.findall(sass))
+
+
 def parse_resource_usage(text: str) -> dict[str, int]:
     """``registers``, ``spill_bytes`` and ``shared_bytes`` from ``cuobjdump --dump-resource-usage``
     (one kernel per cubin)."""
@@ -125,6 +138,7 @@ def analyse_cubin(cubin: bytes, cuobjdump: str, nvdisasm: str) -> dict[str, Any]
         "local_mem_ops": len(_LOCAL_ACCESS.findall(sass)),
         "vector_bits": max(loads, default=0),
         "store_vector_bits": max(stores, default=0),
+        "async_copies": count_async_copies(sass),
         "load_widths": dict(sorted(loads.items())),
     }
 
@@ -158,10 +172,11 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     bias = weight if "bias" in variant else None
     # The backward's dsum is the gradient of the residual sum: it exists only after a fused add.
     residual = tensor() if "res" in variant or "dsum" in variant else None
-    fwd, bwd = _LaunchRecorder(), _LaunchRecorder()
+    fwd, bwd, wgrad_sum = _LaunchRecorder(), _LaunchRecorder(), _LaunchRecorder()
     with (
         mock.patch.object(launch, "norm_fwd_kernel", fwd),
         mock.patch.object(launch, "norm_bwd_kernel", bwd),
+        mock.patch.object(launch, "sum_partials_kernel", wgrad_sum),
         mock.patch.object(launch, "_sm_count", lambda _index: sm_count),
     ):
         x = tensor()
@@ -175,6 +190,9 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     if not variant.startswith("bwd"):
         (args, kwargs), = fwd.calls
         return launch.norm_fwd_kernel, args, kwargs
+    if variant == "bwd-sum":
+        (args, kwargs), = wgrad_sum.calls
+        return launch.sum_partials_kernel, args, kwargs
     (args, kwargs), = bwd.calls
     return launch.norm_bwd_kernel, args, kwargs
 
@@ -201,10 +219,15 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     kernel, args, kwargs = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch])
     compiled = compile_launch(kernel, args, kwargs, GPUTarget("cuda", int(arch.removeprefix("sm_")), 32))
+    measured = analyse_cubin(compiled.asm["cubin"], *tools)
+    # cuobjdump sees the static shared memory only; Triton's own figure includes the dynamic allocation it
+    # launches with (the pipelined loop's staging buffers, the reductions' scratch).
+    measured["shared_bytes"] = max(measured["shared_bytes"], compiled.metadata.shared)
     return Record(
         arch=arch, kernel=kernel.__name__, variant=variant, dtype=dtype_name, hidden=hidden, rows=rows, mode=mode,
-        block_m=kwargs["BLOCK_M"], block_n=kwargs["BLOCK_N"], single_tile=kwargs["SINGLE_TILE"],
-        num_warps=kwargs["num_warps"], **analyse_cubin(compiled.asm["cubin"], *tools),
+        block_m=kwargs.get("BLOCK_M", kwargs.get("BLOCK_P")), block_n=kwargs["BLOCK_N"],
+        single_tile=kwargs.get("SINGLE_TILE", True), num_warps=kwargs["num_warps"],
+        num_stages=kwargs.get("NUM_STAGES", 1), **measured,
     )
 
 
@@ -212,27 +235,31 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
 
 
 def problems(record: Record) -> list[str]:
-    """What falls short of the goal: no spills, and 128-bit loads of the activations. Rows are contiguous, so
-    for widths that are multiples of 16 elements 128-bit accesses are possible in every dtype; other widths give
-    Triton no alignment to rely on and are rightly flagged."""
+    """What falls short of the goal: no spills, 128-bit loads of the activations, and asynchronous copies in a
+    pipelined loop (without them the prefetch was not made). Rows are contiguous, so for widths that are multiples
+    of 16 elements 128-bit accesses are possible in every dtype; other widths give Triton no alignment to rely on
+    and are rightly flagged."""
     found = []
     if record.spill_bytes or record.local_mem_ops:
         found.append(f"spills {record.spill_bytes} B ({record.local_mem_ops} local ops)")
     if record.vector_bits < 128:
         found.append(f"widest load {record.vector_bits} bits")
+    if record.num_stages > 1 and not record.async_copies:
+        found.append(f"{record.num_stages} stages but no async copies")
     return found
 
 
 def format_table(records: list[Record]) -> str:
     """A fixed-width table, one line per variant."""
-    header = ("arch", "variant", "dtype", "hidden", "BM", "BN", "tile", "warps", "regs", "spill", "smem",
-              "ld_bits", "st_bits", "loads by width", "check")
+    header = ("arch", "variant", "dtype", "hidden", "BM", "BN", "tile", "warps", "stages", "regs", "spill", "smem",
+              "ld_bits", "st_bits", "async", "loads by width", "check")
     rows = [header]
     for r in records:
         widths = " ".join(f"{bits}b:{n}" for bits, n in r.load_widths.items())
         rows.append((r.arch, r.variant, r.dtype, str(r.hidden), str(r.block_m), str(r.block_n),
-                     "single" if r.single_tile else "loop", str(r.num_warps), str(r.registers), str(r.spill_bytes),
-                     str(r.shared_bytes), str(r.vector_bits), str(r.store_vector_bits), widths,
+                     "single" if r.single_tile else "loop", str(r.num_warps), str(r.num_stages), str(r.registers),
+                     str(r.spill_bytes), str(r.shared_bytes), str(r.vector_bits), str(r.store_vector_bits),
+                     str(r.async_copies), widths,
                      "; ".join(problems(r)) or "ok"))
     sizes = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(size) for cell, size in zip(row, sizes)).rstrip() for row in rows)
