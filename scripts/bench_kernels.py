@@ -3,6 +3,7 @@ Face model could use, as achieved bandwidth and as a fraction of the card's copy
 
     python scripts/bench_kernels.py --json bench.json --plot bench.png
     python scripts/bench_kernels.py --rows 16384 --hidden 4096 --ops hf_rmsnorm hf_eager --phases fwd
+    python scripts/bench_kernels.py --rows 64 --hidden 256 --dry-run     # without a GPU: the harness on the CPU
 
 Exit status: 0 (also without a GPU, after saying so), 2 bad input (one line on stderr, no traceback).
 The work is done by hf_rmsnorm.tools.kernel_bench, which also explains the method; this file only reads the
@@ -35,16 +36,20 @@ def parse_args(argv: list[str]) -> kernel_bench.BenchConfig:
     parser.add_argument("--repeats", type=cli.at_least(1), default=30)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="without a GPU, run the harness on the CPU (kernels in Triton's interpreter, plain calls "
+                        "for CUDA graphs, the host clock): checks the plumbing, the figures mean nothing")
     return kernel_bench.BenchConfig(**vars(parser.parse_args(argv)))
 
 
 def _main(argv: list[str]) -> int:
     config = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_kernels.py needs a CUDA (or ROCm) GPU and none is available: nothing to time.")
+    if not torch.cuda.is_available() and not config.dry_run:
+        print("bench_kernels.py needs a CUDA (or ROCm) GPU and none is available: nothing to time "
+              "(--dry-run runs the harness on the CPU).")
         return cli.EXIT_OK
-    # Interpreted kernels would run on the host: set the backend up before hf_rmsnorm defines them.
-    backend.configure("cuda")
+    # Set the backend up before hf_rmsnorm defines the kernels: compiled on a GPU, interpreted in a CPU dry run.
+    backend.configure("cuda" if torch.cuda.is_available() else "cpu")
     kernel_bench.run_benchmark(config)
     return cli.EXIT_OK
 

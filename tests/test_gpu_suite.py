@@ -40,7 +40,9 @@ def _bench(impl_seconds: dict[str, float]) -> dict:
     return {"device": "GPU X", "torch": "2", "copy_gbps": 4000.0, "results": [
         {"impl": impl, "phase": "fwd", "rows": 4096, "hidden": 4096, "dtype": "bf16", "status": "ok",
          "seconds": seconds, "traffic_bytes": 134217728, "gbps": 134217728 / seconds / 1e9,
-         "copy_fraction": 134217728 / seconds / 1e9 / 4000.0, "cuda_graph": False}
+         "copy_fraction": 134217728 / seconds / 1e9 / 4000.0, "cuda_graph": True,
+         "call_seconds": 2 * seconds, "call_gbps": 134217728 / seconds / 2e9,
+         "call_copy_fraction": 134217728 / seconds / 2e9 / 4000.0}
         for impl, seconds in impl_seconds.items()]}
 
 
@@ -70,8 +72,10 @@ def test_summary_reports_the_scripts_figures():
     ]
     text = summary(outcomes, toy=False)
     assert "Tests on the card: ... 10 passed in 3.0s" in text
-    # 134 MB in 35 us: 3835 GB/s, 95.9% of 4000 GB/s, twice as fast as the eager baseline.
-    assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 2.00x |" in text
+    # 134 MB in 35 us: 3835 GB/s, 95.9% of 4000 GB/s, twice as fast as the eager baseline; the eager call
+    # took twice as long as the kernels.
+    assert "copy bandwidth 4000 GB/s; kernels under CUDA graph replay)" in text
+    assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 70.0 | 1917 | 47.9% | 2.00x |" in text
     assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
     assert "by launch path: cached launcher 20.00" in text
     assert "| decode tokens/s | 80.0 | 100.0 | 1.250x |" in text

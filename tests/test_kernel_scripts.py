@@ -52,6 +52,23 @@ def test_global_access_widths_counts_loads_and_stores_apart():
     assert stores == {128: 1, 32: 1}
 
 
+def test_async_copies_are_counted_and_required_of_a_pipelined_loop():
+    sass = """
+        /*02e0*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR12][R22.64] ;
+        /*02f0*/               @P1 LDGSTS.E.BYPASS.LTC128B.128 [R3+0x800], desc[UR12][R24.64] ;
+        /*0300*/                   LDG.E.128 R8, desc[UR12][R22.64] ;
+        /*0310*/                   LDGDEPBAR ;
+    """
+    assert kernel_inspect.count_async_copies(sass) == 2
+    record = kernel_inspect.Record(
+        arch="sm_90", kernel="norm_bwd_kernel", variant="bwd", dtype="bf16", hidden=4096, rows=4095, mode="llama",
+        block_m=1, block_n=4096, single_tile=True, num_warps=8, num_stages=2, registers=100, spill_bytes=0,
+        local_mem_ops=0, shared_bytes=0, vector_bits=128, store_vector_bits=128, async_copies=0)
+    assert kernel_inspect.problems(record) == ["2 stages but no async copies"]
+    record.async_copies = 2
+    assert kernel_inspect.problems(record) == []
+
+
 def test_parse_resource_usage_counts_stack_as_spill():
     text = (" Function norm_fwd_kernel:\n"
             "  REG:64 STACK:1064 SHARED:1024 LOCAL:8 CONSTANT[0]:624 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
@@ -77,7 +94,7 @@ def test_inspect_kernels_no_spills_and_128_bit_bf16_loads(tmp_path):
     # The fused-add forward and its backward, one hidden size kept whole in registers and one looped over.
     out = tmp_path / "inspect.json"
     proc = _run_script("inspect_kernels", "--arch", "sm_90", "--hidden", "4096", "65536", "--dtype", "bf16",
-                       "--variant", "fwd+res", "bwd+dsum", "--strict", "--json", str(out), timeout=300)
+                       "--variant", "fwd+res", "bwd+dsum", "bwd-sum", "--strict", "--json", str(out), timeout=300)
     records = json.loads(out.read_text())
     # ptxas's register choice for the looped backward varies by Triton release: 3.5, 3.6 and 3.8 spill 8-16
     # bytes in it, reloaded once per row outside both inner loops (BENCHMARKS.md); 3.7 and 3.9 do not.
@@ -85,9 +102,13 @@ def test_inspect_kernels_no_spills_and_128_bit_bf16_loads(tmp_path):
                          and 0 < r["spill_bytes"] <= LOOPED_BWD_SPILL_BYTES]
     assert proc.returncode == (1 if looped_bwd_spills else 0), proc.stdout + proc.stderr
     assert {(r["variant"], r["hidden"], r["single_tile"]) for r in records} == {
-        ("fwd+res", 4096, True), ("fwd+res", 65536, False), ("bwd+dsum", 4096, True), ("bwd+dsum", 65536, False)}
+        ("fwd+res", 4096, True), ("fwd+res", 65536, False), ("bwd+dsum", 4096, True), ("bwd+dsum", 65536, False),
+        ("bwd-sum", 4096, True), ("bwd-sum", 65536, True)}
+    # The single-tile backward's row loop is pipelined: its loads are asynchronous copies into shared memory.
+    pipelined, = [r for r in records if r["variant"] == "bwd+dsum" and r["single_tile"]]
+    assert pipelined["num_stages"] > 1 and pipelined["async_copies"] > 0
     for r in records:
-        assert r["kernel"] in ("norm_fwd_kernel", "norm_bwd_kernel")
+        assert r["kernel"] in ("norm_fwd_kernel", "norm_bwd_kernel", "sum_partials_kernel")
         assert r["dtype"] == "bf16"
         if r not in looped_bwd_spills:
             assert r["spill_bytes"] == 0 and r["local_mem_ops"] == 0, r
@@ -105,6 +126,22 @@ def test_bench_without_gpu_says_so_and_exits_0():
     assert "needs a CUDA" in proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU dry run")
+def test_bench_dry_run_runs_the_harness_on_the_cpu_and_says_so(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = _run_script("bench_kernels", "--rows", "8", "--hidden", "64", "--ops", "hf_rmsnorm", "hf_eager",
+                       "--phases", "fwd", "bwd", "--repeats", "1", "--warmup", "1", "--dry-run", "--json", str(out),
+                       timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith(kernel_bench.DRY_RUN_NOTE)
+    bench = json.loads(out.read_text())
+    assert bench["device"] == "cpu (dry run)"
+    assert [(r["impl"], r["phase"], r["status"], r["cuda_graph"]) for r in bench["results"]] == [
+        (impl, phase, "ok", False) for impl in ("hf_rmsnorm", "hf_eager") for phase in ("fwd", "bwd")]
+    assert all(r["seconds"] > 0 and r["call_seconds"] > 0 for r in bench["results"])
+
+
 def test_min_traffic_matches_the_reference_anchor():
     # Published anchor: fused add + RMSNorm forward, N=4096, M=16384, bf16: 537 MB -> 179 us at 3.0 TB/s.
     nbytes = kernel_bench.min_traffic_bytes("fwd", 16384, 4096, 2, 2)
@@ -120,12 +157,14 @@ def test_min_traffic_backward_and_total():
 
 
 def test_make_result_bandwidth_and_copy_fraction():
-    r = kernel_bench.make_result("hf_rmsnorm", "fwd", 1024, 1024, "bf16", seconds=1e-3, act_bytes=2,
-                                 weight_bytes=2, copy_gbps=10.0, cuda_graph=False)
-    assert r.status == "ok"
+    r = kernel_bench.make_result("hf_rmsnorm", "fwd", 1024, 1024, "bf16", seconds=1e-3, call_seconds=4e-3,
+                                 act_bytes=2, weight_bytes=2, copy_gbps=10.0, cuda_graph=True)
+    assert r.status == "ok" and r.cuda_graph
     assert r.traffic_bytes == 4 * 1024 * 1024 * 2 + 1024 * 2
     assert r.gbps == pytest.approx(r.traffic_bytes / 1e-3 / 1e9)
     assert r.copy_fraction == pytest.approx(r.gbps / 10.0)
+    assert r.call_gbps == pytest.approx(r.gbps / 4)
+    assert r.call_copy_fraction == pytest.approx(r.copy_fraction / 4)
     assert kernel_bench.copy_traffic_bytes(100) == 200
 
 
@@ -149,18 +188,48 @@ def test_time_callable_warms_up_flushes_each_run_and_takes_the_median():
     assert events == ["run", "run", "flush", "run", "flush", "run", "flush", "run"]
 
 
-def test_format_table_reports_speedup_over_eager_and_failures():
+def test_format_table_reports_both_figures_speedup_over_eager_and_failures():
     common = dict(rows=16, hidden=896, dtype="bf16", act_bytes=2, weight_bytes=2, copy_gbps=1000.0)
     results = [
-        kernel_bench.make_result("hf_eager", "fwd", seconds=4e-5, cuda_graph=True, **common),
-        kernel_bench.make_result("hf_rmsnorm", "fwd", seconds=1e-5, cuda_graph=True, **common),
-        kernel_bench.Result("liger", "fwd", 16, 896, "bf16", "oom"),
+        kernel_bench.make_result("hf_eager", "fwd", seconds=4e-5, call_seconds=9e-5, cuda_graph=True, **common),
+        kernel_bench.make_result("hf_rmsnorm", "fwd", seconds=1e-5, call_seconds=3e-5, cuda_graph=True, **common),
+        kernel_bench.Result("liger", "fwd", 16, 896, "bf16", "kernels (CUDA graph): error: RuntimeError: x"),
     ]
     lines = kernel_bench.format_table(results).splitlines()
-    assert lines[0].split() == ["impl", "phase", "rows", "hidden", "time_us", "GB/s", "%copy", "x", "eager", "graph"]
-    assert lines[2].split()[4:] == ["10.0", f"{results[1].gbps:.0f}", f"{100 * results[1].copy_fraction:.1f}",
-                                    "4.00", "yes"]
-    assert lines[3].split()[-1] == "oom"
+    assert lines[0].split() == ["impl", "phase", "rows", "hidden", "kernel_us", "GB/s", "%copy", "call_us",
+                                "call_GB/s", "%copy", "x", "eager", "graph"]
+    r = results[1]
+    assert lines[2].split()[4:] == ["10.0", f"{r.gbps:.0f}", f"{100 * r.copy_fraction:.1f}", "30.0",
+                                    f"{r.call_gbps:.0f}", f"{100 * r.call_copy_fraction:.1f}", "4.00", "yes"]
+    assert lines[3].endswith("kernels (CUDA graph): error: RuntimeError: x")
+
+
+def test_time_phase_times_the_call_and_the_captured_kernels_apart():
+    """On the CPU, with a capture that records what it is given: the eager call is timed on ``make_fn()`` and
+    the kernels on the capture of ``make_fn`` (the forward run once, outside, for the backward)."""
+    captured = []
+
+    def capture(make_fn):
+        captured.append(make_fn)
+        return make_fn()
+
+    settings = kernel_bench.Settings(torch.device("cpu"), "fp32", 0, 1, 1.0, lambda: None, kernel_bench.wall_clock,
+                                     capture, lambda: None, 1)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(4, 32, generator=gen) for k in ("x", "residual", "dy", "dsum")}
+    impl = kernel_bench.build_impl("torch_rms_norm", 32, torch.float32, torch.device("cpu"))
+    result = kernel_bench.time_phase("torch_rms_norm", impl, "bwd", inputs, settings)
+    assert result.status == "ok" and not result.cuda_graph
+    assert result.seconds > 0 and result.call_seconds > 0
+    assert len(captured) == 1
+    assert kernel_bench.dry_run_settings("bf16", 0, 1).capture is kernel_bench.as_plain_call
+
+    def failing(make_fn):
+        raise RuntimeError("not capturable")
+
+    settings.capture = failing
+    result = kernel_bench.time_phase("torch_rms_norm", impl, "fwd", inputs, settings)
+    assert result.status == "kernels: error: RuntimeError: not capturable"
 
 
 @pytest.mark.parametrize("name", ["hf_rmsnorm", "hf_eager", "torch_rms_norm"])
@@ -182,11 +251,10 @@ def test_phase_callables_time_the_right_work(name):
     assert [tuple(g.shape) for g in first] == [(3, 64), (3, 64), (64,)]
 
 
-def test_launch_path_line_times_each_path_of_one_decode_call(monkeypatch):
+def test_launch_path_line_times_each_path_of_one_decode_call():
     """Run on the CPU (synchronising is a no-op there): each path runs and gets its figure."""
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    settings = kernel_bench.Settings(torch.device("cpu"), "bf16", 1, 1, 1.0, lambda: None)
-    line = kernel_bench.launch_path_line(32, settings, calls=2)
+    settings = kernel_bench.dry_run_settings("bf16", 1, 1)
+    line = kernel_bench.launch_path_line(32, settings)
     assert re.fullmatch(r"host us per decode call, 1 row, hidden 32, by launch path: cached launcher [\d.]+, "
                         r"Triton's kernel\[grid\] [\d.]+; compiled \(no CUDA graph\) through the Triton op [\d.]+, "
                         r"through the custom op [\d.]+", line), line

@@ -10,11 +10,24 @@ Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` an
 * ``liger``: Liger-Kernel's ``LigerFusedAddRMSNorm`` (skipped when ``liger_kernel`` is not installed; a release
   without it gets an error row).
 
-Method: inputs are flushed from L2 before every timed run (small problems otherwise time L2, not memory),
-each run is timed with CUDA events after a warm-up, the median of the repeats is reported, and problems of
-at most ``GRAPH_MAX_ROWS`` rows replay a CUDA graph, so that host launch overhead is measured as a model under
-CUDA graphs would see it. The backward is timed alone: the forward runs once, untimed, and each timed run is
-``torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True)``.
+Method: every (implementation, phase, shape) gets two figures, each the median of the repeats after a warm-up,
+timed with CUDA events with the inputs flushed from L2 before every run (small problems otherwise time L2, not
+memory; the flush runs before the start event, outside the timed region):
+
+* **kernels**: the replay of a CUDA graph of the phase, so only the device work counts: what the kernels cost,
+  and what a model under CUDA graphs sees;
+* **call**: the same work called eagerly (the autograd call, for the backward): host time included wherever the
+  GPU waits on the host (launches, Python, the autograd engine), as a model without CUDA graphs sees it.
+
+The backward is timed alone: its forward runs once, untimed, and each run is ``torch.autograd.grad(outputs,
+inputs, grad_outputs, retain_graph=True)``; its graph captures that call, so it holds the backward's kernels
+(the norm's backward and its weight-gradient reduction) and nothing of the forward. Capturing autograd's call
+rather than the package's backward function directly times every implementation the same way. The forward is
+the inference forward (no autograd graph); ``fwd+bwd`` the training forward and its backward.
+
+Without a GPU, ``dry_run`` runs the same code on the CPU with the kernels in Triton's interpreter: plain calls
+stand in for CUDA graphs, the host clock for CUDA events, nothing is flushed, and the figures mean nothing (the
+output says so); it checks the harness, not the speed.
 
 Launch cost (the decode regime): an empty Triton kernel's launch against ``fused_add_rms_norm`` on 1-64 rows,
 as GPU time under a CUDA graph and as host time per eager call, with the goal "empty launch + 2 us"; and the
@@ -51,12 +64,17 @@ DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
 DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-6
-# Up to this many rows a call is launch-bound; a CUDA graph removes the Python/launch overhead from the time.
-GRAPH_MAX_ROWS = 256
 # The flush buffer is at least this big even if the card does not report its L2 size (covers B200's 126 MB x2).
 MIN_FLUSH_BYTES = 256 * 2**20
-# Copy-bandwidth probe: big enough that L2 and launch latency do not count.
+# Copy-bandwidth probe: big enough that L2 and launch latency do not count (on the CPU of a dry run, small).
 COPY_PROBE_BYTES = 2 * 2**30
+DRY_RUN_COPY_PROBE_BYTES = 2**24
+# Host calls per host-time figure (decode-sized calls), and in a dry run, where the interpreter takes
+# milliseconds per call.
+HOST_CALLS = 2000
+DRY_RUN_HOST_CALLS = 3
+DRY_RUN_NOTE = ("dry run on the CPU: kernels in Triton's interpreter, plain calls instead of CUDA graphs, the host "
+                "clock instead of CUDA events, no L2 flush; the figures mean nothing")
 # Activation-sized tensors a shape needs (x, residual, y, sum, dy, dsum, dx, dresidual), plus the fp32
 # activation-sized temporaries the eager module saves or makes in its backward: only used to skip hopeless shapes.
 ACTIVATION_TENSORS = 8
@@ -69,15 +87,18 @@ Clock = Callable[[Callable[[], Any]], float]
 # ------------------------------------------------------------------------------------------ traffic maths
 
 
-def min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight_bytes: int) -> int:
+def min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight_bytes: int, *,
+                      residual: bool = True) -> int:
     """Bytes the phase must move at the least.
 
     Forward: read ``x`` and ``residual``, write ``y`` and the sum, read the weight. Backward: read ``dy``, the
     saved sum and the gradient reaching the sum, write the input gradient (shared by ``x`` and ``residual``),
-    read the weight and write its gradient. The per-row fp32 ``rstd`` is left out (under 0.1% at hidden 896)."""
-    activations = 4 * rows * hidden * act_bytes
-    forward = activations + hidden * weight_bytes
-    backward = activations + 2 * hidden * weight_bytes
+    read the weight and write its gradient. Without ``residual`` (a plain norm): the forward reads ``x`` and
+    writes ``y``, the backward reads ``dy`` and ``x`` and writes ``dx``. The per-row fp32 ``rstd`` is left out
+    (under 0.1% at hidden 896)."""
+    forward_tensors, backward_tensors = (4, 4) if residual else (2, 3)
+    forward = forward_tensors * rows * hidden * act_bytes + hidden * weight_bytes
+    backward = backward_tensors * rows * hidden * act_bytes + 2 * hidden * weight_bytes
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[phase]
 
 
@@ -98,7 +119,9 @@ def fits_in_memory(rows: int, hidden: int, act_bytes: int, free_bytes: int) -> b
 
 @dataclass
 class Result:
-    """One timed (implementation, phase, shape). ``seconds`` is None unless ``status`` is ``"ok"``."""
+    """One timed (implementation, phase, shape): ``seconds``, ``gbps`` and ``copy_fraction`` are the kernels'
+    figures (a CUDA graph's replay when ``cuda_graph``), ``call_*`` those of the eager call, host included. The
+    figures are None unless ``status`` is ``"ok"``."""
 
     impl: str
     phase: str
@@ -111,14 +134,18 @@ class Result:
     gbps: float | None = None
     copy_fraction: float | None = None
     cuda_graph: bool = False
+    call_seconds: float | None = None
+    call_gbps: float | None = None
+    call_copy_fraction: float | None = None
 
 
-def make_result(impl: str, phase: str, rows: int, hidden: int, dtype: str, seconds: float, act_bytes: int,
-                weight_bytes: int, copy_gbps: float, cuda_graph: bool) -> Result:
-    """A successful measurement with its bandwidth and its fraction of the copy bandwidth."""
+def make_result(impl: str, phase: str, rows: int, hidden: int, dtype: str, seconds: float, call_seconds: float,
+                act_bytes: int, weight_bytes: int, copy_gbps: float, cuda_graph: bool) -> Result:
+    """A successful measurement with both figures' bandwidth and fraction of the copy bandwidth."""
     nbytes = min_traffic_bytes(phase, rows, hidden, act_bytes, weight_bytes)
-    achieved = gbps(nbytes, seconds)
-    return Result(impl, phase, rows, hidden, dtype, "ok", seconds, nbytes, achieved, achieved / copy_gbps, cuda_graph)
+    achieved, call_achieved = gbps(nbytes, seconds), gbps(nbytes, call_seconds)
+    return Result(impl, phase, rows, hidden, dtype, "ok", seconds, nbytes, achieved, achieved / copy_gbps, cuda_graph,
+                  call_seconds, call_achieved, call_achieved / copy_gbps)
 
 
 # ------------------------------------------------------------------------------------------ timing harness
@@ -185,13 +212,18 @@ def as_cuda_graph(make_fn: Callable[[], Callable[[], Any]]) -> Callable[[], Any]
     return graph.replay
 
 
+def as_plain_call(make_fn: Callable[[], Callable[[], Any]]) -> Callable[[], Any]:
+    """What stands in for ``as_cuda_graph`` on the CPU of a dry run: the callable itself."""
+    return make_fn()
+
+
 def measure_copy_gbps(device: torch.device, clock: Clock, flush: Callable[[], Any], warmup: int,
-                      repeats: int) -> float:
-    """This card's device-to-device copy bandwidth (``dst.copy_(src)`` of a large tensor), in GB/s."""
-    src = torch.ones(COPY_PROBE_BYTES // 2, dtype=torch.bfloat16, device=device)
+                      repeats: int, probe_bytes: int = COPY_PROBE_BYTES) -> float:
+    """This device's copy bandwidth (``dst.copy_(src)`` of a large tensor), in GB/s."""
+    src = torch.ones(probe_bytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     seconds = time_callable(lambda: dst.copy_(src), clock=clock, flush=flush, warmup=warmup, repeats=repeats)
-    return gbps(copy_traffic_bytes(COPY_PROBE_BYTES), seconds)
+    return gbps(copy_traffic_bytes(probe_bytes), seconds)
 
 
 # ----------------------------------------------------------------------------------------- implementations
@@ -273,7 +305,8 @@ def phase_callable(impl: Impl, phase: str, inputs: dict[str, torch.Tensor]) -> C
 
 @dataclass
 class Settings:
-    """What every measurement shares."""
+    """What every measurement shares: on a GPU CUDA events, CUDA graphs and an L2 flush (the defaults); in a dry
+    run on the CPU their stand-ins (``dry_run_settings``)."""
 
     device: torch.device
     dtype_name: str
@@ -281,6 +314,36 @@ class Settings:
     repeats: int
     copy_gbps: float
     flush: Callable[[], Any]
+    clock: Clock = cuda_event_clock
+    capture: Callable[[Callable[[], Callable[[], Any]]], Callable[[], Any]] = as_cuda_graph
+    synchronize: Callable[[], Any] = torch.cuda.synchronize
+    host_calls: int = HOST_CALLS
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the kernels' figures are taken under CUDA graph replay."""
+        return self.capture is as_cuda_graph
+
+
+def gpu_settings(device: torch.device, dtype_name: str, warmup: int, repeats: int) -> Settings:
+    """The settings of a run on ``device``, a GPU; measures its copy bandwidth."""
+    flush = l2_flusher(device)
+    copy = measure_copy_gbps(device, cuda_event_clock, flush, warmup, repeats)
+    return Settings(device, dtype_name, warmup, repeats, copy, flush)
+
+
+def dry_run_settings(dtype_name: str, warmup: int, repeats: int) -> Settings:
+    """The settings of a dry run on the CPU: the host clock, plain calls, no flush (``DRY_RUN_NOTE``)."""
+    device = torch.device("cpu")
+    copy = measure_copy_gbps(device, wall_clock, lambda: None, warmup, repeats, DRY_RUN_COPY_PROBE_BYTES)
+    return Settings(device, dtype_name, warmup, repeats, copy, lambda: None, wall_clock, as_plain_call,
+                    lambda: None, DRY_RUN_HOST_CALLS)
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hands the memory torch's allocator caches on ``device`` back to the driver (nothing to do on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def failure_status(exc: Exception) -> str:
@@ -291,18 +354,26 @@ def failure_status(exc: Exception) -> str:
 
 
 def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor], settings: Settings) -> Result:
-    """Times one implementation and phase on one shape; a failure becomes the result's status."""
+    """Times one implementation and phase on one shape, eager call first, then the kernels (graph replay); a
+    failure becomes the result's status, saying which of the two failed."""
     rows, hidden = inputs["x"].shape
-    use_graph = rows <= GRAPH_MAX_ROWS
+    make_fn = functools.partial(phase_callable, impl, phase, inputs)
+    timing = functools.partial(time_callable, clock=settings.clock, flush=settings.flush, warmup=settings.warmup,
+                               repeats=settings.repeats)
+    what = "call"
     try:
-        make_fn = functools.partial(phase_callable, impl, phase, inputs)
-        fn = as_cuda_graph(make_fn) if use_graph else make_fn()
-        seconds = time_callable(fn, clock=cuda_event_clock, flush=settings.flush, warmup=settings.warmup,
-                                repeats=settings.repeats)
+        call_seconds = timing(make_fn())
+        # The call's tensors are gone: a graph allocates from its own pool, which cannot reuse their cached memory.
+        release_cached_memory(settings.device)
+        what = "kernels (CUDA graph)" if settings.cuda_graphs else "kernels"
+        seconds = timing(settings.capture(make_fn))
     except Exception as exc:  # one failing implementation must not end a long run; the reason is kept
-        return Result(name, phase, rows, hidden, settings.dtype_name, failure_status(exc))
-    return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, inputs["x"].dtype.itemsize,
-                       impl.weight.dtype.itemsize, settings.copy_gbps, use_graph)
+        status = failure_status(exc)
+        return Result(name, phase, rows, hidden, settings.dtype_name,
+                      status if status == "oom" else f"{what}: {status}"[:200])
+    return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, call_seconds,
+                       inputs["x"].dtype.itemsize, impl.weight.dtype.itemsize, settings.copy_gbps,
+                       settings.cuda_graphs)
 
 
 def bench_impl(name: str, phases: list[str], inputs: dict[str, torch.Tensor], settings: Settings) -> list[Result]:
@@ -322,9 +393,10 @@ def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], set
     def all_with(status: str) -> list[Result]:
         return [Result(i, p, rows, hidden, settings.dtype_name, status) for i in impls for p in phases]
 
-    free_bytes, _ = torch.cuda.mem_get_info(settings.device)
-    if not fits_in_memory(rows, hidden, dtype.itemsize, free_bytes):
-        return all_with("skipped: too big")
+    if settings.device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(settings.device)
+        if not fits_in_memory(rows, hidden, dtype.itemsize, free_bytes):
+            return all_with("skipped: too big")
     try:
         gen = torch.Generator(device=settings.device).manual_seed(0)
         inputs = {k: torch.randn(rows, hidden, dtype=dtype, device=settings.device, generator=gen)
@@ -339,21 +411,21 @@ def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], set
 # Decode-sized calls are launch-bound; the goal is "no slower than an empty Triton kernel's launch + 2 us".
 LAUNCH_ROWS = (1, 16, 64)
 LAUNCH_GOAL_SLACK_S = 2e-6
-HOST_CALLS = 2000
 # Eager add + norm implementations whose host time per call a fused decode call is compared with.
 HOST_BASELINES = ("hf_eager", "torch_rms_norm")
 
 
-def host_seconds_per_call(fn: Callable[[], Any], calls: int = HOST_CALLS) -> float:
+def host_seconds_per_call(fn: Callable[[], Any], calls: int = HOST_CALLS,
+                          synchronize: Callable[[], Any] = torch.cuda.synchronize) -> float:
     """Host time per call of ``fn`` in a tight loop, synchronised once at the end: what a decode step pays
     without CUDA graphs (Python, argument binding, the launch itself), given a GPU that keeps up."""
-    for _ in range(10):
+    for _ in range(min(10, calls)):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - t0) / calls
 
 
@@ -369,14 +441,17 @@ def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
         pass
 
     def graph_seconds(fn: Callable[[], Any]) -> float:
-        return time_callable(as_cuda_graph(lambda: fn), clock=cuda_event_clock, flush=lambda: None,
+        return time_callable(settings.capture(lambda: fn), clock=settings.clock, flush=lambda: None,
                              warmup=settings.warmup, repeats=settings.repeats)
+
+    def host_seconds(fn: Callable[[], Any]) -> float:
+        return host_seconds_per_call(fn, settings.host_calls, settings.synchronize)
 
     def verdict(ours: float, empty: float) -> str:
         return "ok" if ours <= empty + LAUNCH_GOAL_SLACK_S else "MISSED"
 
     launch_empty = functools.partial(empty_kernel[(1,)], torch.empty(1, device=settings.device))
-    empty_graph, empty_host = graph_seconds(launch_empty), host_seconds_per_call(launch_empty)
+    empty_graph, empty_host = graph_seconds(launch_empty), host_seconds(launch_empty)
     lines = [f"launch cost, hidden {hidden}: empty Triton kernel {empty_graph * 1e6:.2f} us on the GPU (graph), "
              f"{empty_host * 1e6:.2f} us on the host (eager); goal: + {LAUNCH_GOAL_SLACK_S * 1e6:.0f} us"]
     dtype = DTYPES[settings.dtype_name]
@@ -385,21 +460,21 @@ def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
         x, residual = (torch.randn(rows, hidden, dtype=weight.dtype, device=settings.device) for _ in range(2))
         with torch.no_grad():
             call = functools.partial(fused_add_rms_norm, x, residual, weight, EPS)
-            on_gpu, on_host = graph_seconds(call), host_seconds_per_call(call)
+            on_gpu, on_host = graph_seconds(call), host_seconds(call)
             # What an unpatched decode step pays on the host for the same work (no graph: eager generate()).
             baselines = ", ".join(
-                f"{name} {host_seconds_per_call(functools.partial(impl.forward, x, residual)) * 1e6:.2f}"
+                f"{name} {host_seconds(functools.partial(impl.forward, x, residual)) * 1e6:.2f}"
                 for name, impl in ((n, build_impl(n, hidden, dtype, settings.device)) for n in HOST_BASELINES)
             )
             # The goal for a fused decode call: no more host time than a single eager aten op.
-            aten_add = host_seconds_per_call(functools.partial(torch.add, x, residual))
+            aten_add = host_seconds(functools.partial(torch.add, x, residual))
         lines.append(f"  rows {rows:>3}: hf_rmsnorm fwd {on_gpu * 1e6:.2f} us GPU ({verdict(on_gpu, empty_graph)}), "
                      f"{on_host * 1e6:.2f} us host ({verdict(on_host, empty_host)}; one aten add "
                      f"{aten_add * 1e6:.2f} us); host us per add + norm: {baselines}")
     return lines
 
 
-def launch_path_line(hidden: int, settings: Settings, calls: int = HOST_CALLS) -> str:
+def launch_path_line(hidden: int, settings: Settings) -> str:
     """Host time per eager decode call (1 row) of the same fused add + norm by each way of launching it: the
     cached launcher (what runs), Triton's own ``kernel[grid](...)`` (the path before the cache), and a
     ``torch.compile``d call (inductor's default mode, no CUDA graph) through the Triton op, whose kernel inductor
@@ -419,7 +494,8 @@ def launch_path_line(hidden: int, settings: Settings, calls: int = HOST_CALLS) -
         return torch.ops.hf_rmsnorm.add_rms_norm_fwd(a, r, w, None, EPS, "llama")[:2]
 
     def host_us(fn: Callable[..., Any]) -> str:
-        return f"{host_seconds_per_call(functools.partial(fn, x, residual, weight), calls) * 1e6:.2f}"
+        call = functools.partial(fn, x, residual, weight)
+        return f"{host_seconds_per_call(call, settings.host_calls, settings.synchronize) * 1e6:.2f}"
 
     with torch.no_grad():
         cached = host_us(fused)
@@ -443,12 +519,15 @@ def speedups_over(results: list[Result], baseline: str) -> dict[tuple, float]:
 
 
 def format_table(results: list[Result], header: bool = True) -> str:
-    """A fixed-width table; ``x eager`` is the speedup over ``hf_eager`` on the same shape and phase."""
+    """A fixed-width table: the kernels' time, GB/s and % of copy (``graph`` says whether under CUDA graph
+    replay), then the eager call's (``call_*``, host included); ``x eager`` is the kernels' speedup over
+    ``hf_eager``'s on the same shape and phase."""
     speedup = speedups_over(results, "hf_eager")
-    widths = (15, 8, 6, 7, 10, 8, 6, 8, 6)
+    widths = (15, 8, 6, 7, 10, 8, 6, 10, 8, 6, 8, 6)
     lines = []
     if header:
-        names = ("impl", "phase", "rows", "hidden", "time_us", "GB/s", "%copy", "x eager", "graph")
+        names = ("impl", "phase", "rows", "hidden", "kernel_us", "GB/s", "%copy", "call_us", "call_GB/s", "%copy",
+                 "x eager", "graph")
         lines.append(" ".join(n.rjust(w) if i > 1 else n.ljust(w) for i, (n, w) in enumerate(zip(names, widths))))
     for r in results:
         if r.status != "ok":
@@ -456,13 +535,15 @@ def format_table(results: list[Result], header: bool = True) -> str:
             continue
         x = speedup.get((r.impl, r.phase, r.rows, r.hidden))
         lines.append(f"{r.impl:<15} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
-                     f"{r.gbps:>8.0f} {100 * r.copy_fraction:>6.1f} {'' if x is None else f'{x:.2f}':>8} "
+                     f"{r.gbps:>8.0f} {100 * r.copy_fraction:>6.1f} {r.call_seconds * 1e6:>10.1f} "
+                     f"{r.call_gbps:>8.0f} {100 * r.call_copy_fraction:>6.1f} {'' if x is None else f'{x:.2f}':>8} "
                      f"{'yes' if r.cuda_graph else 'no':>6}")
     return "\n".join(lines)
 
 
 def write_plot(results: list[Result], path: Path, copy_gbps: float) -> None:
-    """GB/s against hidden size, one panel per (rows, phase), one line per implementation."""
+    """GB/s against hidden size, one panel per (rows, phase), one line per implementation: solid for the
+    kernels, dotted in the same colour for the eager call where it was timed."""
     try:
         import matplotlib
 
@@ -486,7 +567,11 @@ def write_plot(results: list[Result], path: Path, copy_gbps: float) -> None:
                 points = sorted((r.hidden, r.gbps) for r in measured
                                 if (r.impl, r.phase, r.rows) == (impl, phase, rows))
                 if points:
-                    ax.plot(*zip(*points), marker="o", label=impl)
+                    (line,) = ax.plot(*zip(*points), marker="o", label=impl)
+                    calls = sorted((r.hidden, r.call_gbps) for r in measured
+                                   if (r.impl, r.phase, r.rows) == (impl, phase, rows) and r.call_gbps)
+                    if calls:
+                        ax.plot(*zip(*calls), marker=".", linestyle=":", color=line.get_color())
             ax.axhline(copy_gbps, color="grey", linestyle="--", linewidth=1, label="copy")
             ax.set_xscale("log", base=2)
             ax.set_title(f"{phase}, {rows} rows")
@@ -531,19 +616,29 @@ class BenchConfig:
     repeats: int
     json: Path | None = None
     plot: Path | None = None
+    dry_run: bool = False
 
 
 def run_benchmark(config: BenchConfig) -> list[Result]:
     """Measures the copy bandwidth, the launch cost (with ``hf_rmsnorm`` and ``fwd`` in the run) and every shape
     of ``config`` on the current GPU, printing each shape's table as it is measured, and returns the results.
 
-    Needs a GPU, with the kernels set up for it (``hf_rmsnorm.ops.backend.configure("cuda")``) before this runs.
+    Needs a GPU, with the kernels set up for it (``hf_rmsnorm.ops.backend.configure("cuda")``) before this runs;
+    with ``config.dry_run`` and no GPU, runs on the CPU instead, with the kernels set up for Triton's interpreter
+    (``configure("cpu")``) and the stand-ins of ``dry_run_settings`` (``DRY_RUN_NOTE``).
     """
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = l2_flusher(device)
-    copy = measure_copy_gbps(device, cuda_event_clock, flush, config.warmup, config.repeats)
-    print(f"{torch.cuda.get_device_name(device)}: device-to-device copy {copy:.0f} GB/s")
-    settings = Settings(device, config.dtype, config.warmup, config.repeats, copy, flush)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        settings = gpu_settings(device, config.dtype, config.warmup, config.repeats)
+        device_name = torch.cuda.get_device_name(device)
+    elif config.dry_run:
+        settings = dry_run_settings(config.dtype, config.warmup, config.repeats)
+        device_name = "cpu (dry run)"
+        print(DRY_RUN_NOTE)
+    else:
+        raise RuntimeError("run_benchmark needs a GPU, or config.dry_run to run on the CPU")
+    copy = settings.copy_gbps
+    print(f"{device_name}: device-to-device copy {copy:.0f} GB/s")
     if "hf_rmsnorm" in config.ops and "fwd" in config.phases:
         for hidden in config.hidden:
             print("\n".join(launch_cost_lines(hidden, settings)), flush=True)
@@ -553,12 +648,12 @@ def run_benchmark(config: BenchConfig) -> list[Result]:
         for hidden in config.hidden:
             shape_results = bench_shape(rows, hidden, impls, config.phases, settings)
             # The shape's tensors are gone now: hand their memory back before the next (maybe larger) shape.
-            torch.cuda.empty_cache()
+            release_cached_memory(settings.device)
             print(format_table(shape_results, header=not results), flush=True)
             results += shape_results
             if config.json:
                 # Rewritten after every shape, so a run cut short still leaves what it measured.
-                write_json(config.json, results, torch.cuda.get_device_name(device), copy)
+                write_json(config.json, results, device_name, copy)
     if config.plot:
         write_plot(results, config.plot, copy)
     if "hf_rmsnorm" in config.ops and "fwd" in config.phases:
