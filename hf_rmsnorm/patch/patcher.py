@@ -45,6 +45,8 @@ class _Plan:
     layernorms: LayerNormPlan
     swaps: list[tuple[nn.Module, NormKind | LayerKind | StackKind]] = field(default_factory=list)
     attrs: list[tuple[nn.Module, str, object]] = field(default_factory=list)
+    # The planned modules whose hub-kernel forward (``instance_forwards.hub_forward``) patching sets aside.
+    hub_forwards: dict[nn.Module, types.MethodType] = field(default_factory=dict)
     already_patched: int = 0
 
 
@@ -93,7 +95,7 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     try:
         for module, kind in plan.swaps:
             state.swapped.append((module, type(module)))
-            hub_layer_forward = hub_forward(module)
+            hub_layer_forward = plan.hub_forwards.get(module)
             if hub_layer_forward is not None:
                 state.hub_forwards.append((module, hub_layer_forward))
                 del module.__dict__["forward"]
@@ -276,7 +278,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     layers = _plan_layers(layer_candidates, norms, plan)
     _report_unknown_layers(unknown_layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
-    _report_hub_forwards(root, plan)
+    _plan_hub_forwards(root, plan)
     return plan
 
 
@@ -470,13 +472,16 @@ def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     return None
 
 
-def _report_hub_forwards(root: nn.Module, plan: _Plan) -> None:
-    """Names, in the report, the hub layer whose forward each planned module runs in place of its class's."""
-    taken = {module for module, _ in plan.swaps if hub_forward(module) is not None}
+def _plan_hub_forwards(root: nn.Module, plan: _Plan) -> None:
+    """Records the hub-kernel forward of each planned module that runs one in place of its class's, for
+    ``patch_model`` to set aside, and names its hub layer in the report."""
+    planned = {module for module, _ in plan.swaps}
     for name, module in root.named_modules():
-        if module in taken:
+        forward = hub_forward(module) if module in planned else None
+        if forward is not None:
+            plan.hub_forwards[module] = forward
             plan.report.hub_forwards.append(
-                f"{name}: hub layer {function_path(module.forward).removesuffix('.forward')} "
+                f"{name}: hub layer {function_path(forward).removesuffix('.forward')} "
                 f"(kernel_layer_name {type(module).kernel_layer_name!r}) set aside, the fused forward runs"
             )
 
