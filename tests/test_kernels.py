@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
-from hf_rmsnorm.ops import launch, reference
+from hf_rmsnorm.ops import backend, launch, reference
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
@@ -299,6 +299,23 @@ def test_a_norm_without_weight_matches_nanochat_and_fp64(mode, n_cols, dtype):
     assert _max_err(dx, tx) <= _max_err(ex, tx) + tolerance
 
 
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of ``t``'s dtype at each value of ``t`` (in fp32; normal numbers)."""
+    _, exponent = torch.frexp(t.float().abs())  # |t| = m * 2**exponent, 0.5 <= m < 1
+    eps = torch.finfo(t.dtype).eps  # the spacing at 1 = 0.5 * 2**1
+    return eps * torch.pow(2.0, (exponent - 1).float())
+
+
+def _assert_sum_within_a_rounding_of_eager(ours, eager, eager_norm):
+    """``residual + norm(x)`` against eager's: the norm parts may differ as ``_assert_within_a_rounding_of_eager``
+    allows (at most 2 ulps of the norm's output; up to twice that in the ulps of the smaller of two neighbouring
+    binades), and each sum rounds once more (half an ulp of the sum each). Counted in ulps of the sum, the
+    distance is unbounded where the residual cancels the norm's output (seen on an H100: 32 ulps of a sum near
+    zero, fp16, width 896), so the bound is on the difference itself."""
+    allowed = 4 * _ulp(eager_norm) + _ulp(torch.maximum(ours.detach().abs(), eager.detach().abs()).to(eager.dtype))
+    assert ((ours.detach().float() - eager.detach().float()).abs() <= allowed).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_cols", [7, 896, 20000])
 @pytest.mark.parametrize("mode,hf_class", [("fp32_affine", Olmo2RMSNorm), ("llama", LlamaRMSNorm)])
@@ -316,7 +333,7 @@ def test_post_norm_add_matches_eager_and_fp64(mode, hf_class, n_cols, dtype):
     eager = er + module(ex)
     assert out.dtype == eager.dtype
     if dtype != torch.float32:
-        _assert_within_a_rounding_of_eager(out, eager)
+        _assert_sum_within_a_rounding_of_eager(out, eager, module(ex).detach())
     x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, weight))
     truth = r64 + _fp64_reference(x64, None, w64)
     assert _max_err(out, truth) <= _max_err(eager, truth) + torch.finfo(dtype).eps * truth.abs().max().item()
@@ -616,6 +633,9 @@ def test_strided_and_expanded_weights_are_read_as_their_values():
 
 def test_the_interpreter_rounds_like_a_gpu_without_configure(tmp_path):
     # A user who sets TRITON_INTERPRET=1 alone (no backend.configure) gets GPU rounding of bf16 all the same.
+    problem = backend.installed_interpreter_problem()
+    if problem:  # the GPU image pairs Triton 3.6 with NumPy 2.5
+        pytest.skip(problem)
     script = tmp_path / "check.py"
     script.write_text(
         "import torch\n"

@@ -70,8 +70,13 @@ def kernels_interpreted() -> bool:
     return interpreted
 
 
+def installed_interpreter_problem() -> str | None:
+    """``interpreter_problem`` for the installed Triton and NumPy."""
+    return interpreter_problem(_version(triton_version()), _version(np.__version__))
+
+
 def _round_as_gpus_do() -> None:
-    problem = interpreter_problem(_version(triton_version()), _version(np.__version__))
+    problem = installed_interpreter_problem()
     if problem:
         raise RuntimeError(problem)
     if not round_bf16_to_nearest_even():
