@@ -3,13 +3,14 @@
 usage:
   accelerate launch [accelerate options] scripts/finetune.py [--model NAME_OR_PATH] [--data PATH] \\
       --output-dir DIR [--overwrite] [--max-steps N] [--batch-size B] [--seq-len L] [--lr LR] [--seed S] \\
-      [--no-patch] [--lora] [--gradient-checkpointing] [--fsdp] [--metrics-json PATH]
+      [--no-patch | --norm-free] [--lora] [--gradient-checkpointing] [--fsdp] [--metrics-json PATH]
   (plain `python scripts/finetune.py ...` runs one process)
 
 The model (a preset, a save_pretrained directory or a Hub id) is trained on a plain-text file or a directory
 of .txt files, or, without --data, on the project's own README, docs and sources. Checkpoints without a
 tokenizer (the presets) are trained on byte-level tokens. patch_model is applied after loading and before
-accelerator.prepare; --no-patch trains Hugging Face's own norms, for comparison. The result is saved with
+accelerator.prepare; --no-patch trains Hugging Face's own norms, for comparison, and --norm-free (one process,
+timing only) a model whose norms return their input: what a run without norm cost would take. The result is saved with
 save_pretrained into --output-dir (required, no default; a directory an earlier run wrote to is refused
 unless --overwrite) and loads with plain transformers. With --lora only the adapter is saved, and its
 adapter_config.json names the base model: the --model directory (as an absolute path) or Hub id, or, for a
@@ -96,6 +97,11 @@ def parse_args(argv: list[str]):
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for preset weights, LoRA init and data order")
     parser.add_argument("--no-patch", dest="patch", action="store_false", help="train with Hugging Face's own norms")
+    parser.add_argument(
+        "--norm-free", action="store_true",
+        help="timing oracle, one process: every norm returns its input (no norm cost at all; the model trained is "
+        "meaningless); the most any norm kernel could save is the step time against --no-patch",
+    )
     parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter and save only the adapter")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="enable HF gradient checkpointing")
     parser.add_argument(

@@ -27,6 +27,9 @@ def test_dry_run_runs_every_section_and_writes_the_files(tmp_path):
     assert all(s["status"] == "ok" for s in sections)
     # The generate sections ran verify.py for real (parity on a tiny model) and the summary says so.
     assert "Parity: PASS" in (out / "summary.md").read_text()
+    # The training oracle trained with its norms returning their input, and nothing patched.
+    free = next(s for s in sections if s["name"] == "train-1b-norm-free")["data"]["train-1b-norm-free"]
+    assert free["norm_free"] and not free["patched"]
 
 
 def test_a_section_past_its_limit_is_stopped_and_reported(tmp_path):
@@ -55,7 +58,12 @@ def test_summary_reports_the_scripts_figures():
                                 "peak_memory_bytes": 2**30},
                   "patched": {"prefill_tokens_per_s": 1100.0, "decode_tokens_per_s": 100.0,
                               "peak_memory_bytes": 2**30},
-                  "prefill_speedup": 1.1, "decode_speedup": 1.25},
+                  "norm_free": {"prefill_tokens_per_s": 1250.0, "decode_tokens_per_s": 120.0,
+                                "peak_memory_bytes": 2**30},
+                  "prefill_speedup": 1.1, "decode_speedup": 1.25,
+                  "norm_free_speedups": {"prefill_speedup": 1.25, "decode_speedup": 1.5},
+                  "prefill_gain_share": (1 / 1000 - 1 / 1100) / (1 / 1000 - 1 / 1250),
+                  "decode_gain_share": (1 / 80 - 1 / 100) / (1 / 80 - 1 / 120), "norm_free_note": "norm-free: x"},
     }
     metrics = {"model": "m", "batch_size": 1, "seq_len": 2048, "mixed_precision": "bf16", "max_steps": 3,
                "losses": [3.0, 2.0, 1.0], "tokens_per_s": 1000.0, "peak_memory_bytes": 2**31}
@@ -68,6 +76,8 @@ def test_summary_reports_the_scripts_figures():
         Outcome("train-1b-patched", "p", "ok", data={"train-1b-patched": {**metrics, "step_times_s": [9, 0.5, 0.5]}}),
         Outcome("train-1b-unpatched", "u", "ok",
                 data={"train-1b-unpatched": {**metrics, "step_times_s": [9, 0.6, 0.6]}}),
+        Outcome("train-1b-norm-free", "f", "ok",
+                data={"train-1b-norm-free": {**metrics, "step_times_s": [9, 0.45, 0.45]}}),
         Outcome("prefill-1b", "p", "timed out after 80 s"),
     ]
     text = summary(outcomes, toy=False)
@@ -78,7 +88,11 @@ def test_summary_reports_the_scripts_figures():
     assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 70.0 | 1917 | 47.9% | 2.00x |" in text
     assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
     assert "by launch path: cached launcher 20.00" in text
-    assert "| decode tokens/s | 80.0 | 100.0 | 1.250x |" in text
+    # Per token: 12.5 ms unpatched, 10 ms patched, 8.33 ms norm-free: 60% of the norm-free gain.
+    assert "| decode tokens/s | 80.0 | 100.0 | 1.250x | 120.0 | 1.500x | 60% |" in text
+    assert "| prefill tokens/s | 1000.0 | 1100.0 | 1.100x | 1250.0 | 1.250x | 45% |" in text
+    # Steps of 0.6 s unpatched, 0.5 s patched, 0.45 s norm-free: two thirds of the norm-free gain.
+    assert "Norm-free step speedup: 1.333x; the patch delivers 67% of that gain" in text
     assert "### train-1b: m, 1 x 2048 tokens, bf16 mixed precision, 3 steps" in text
     assert "Patched step speedup: 1.200x" in text
     assert "| prefill-1b | timed out after 80 s |" in text

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_rmsnorm import check_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools import parity, workload
 from hf_rmsnorm.tools.loading import ModelLoadError, looks_like_path, parse_dtype
@@ -351,8 +352,8 @@ def test_upcast_restores_every_tensor_exactly():
 
 
 def test_speed_figures_and_report(monkeypatch):
-    from hf_rmsnorm.tools.speed import measure_generate, speedups
-    from hf_rmsnorm.tools.verify import render
+    from hf_rmsnorm.tools.speed import ModelState, measure_states
+    from hf_rmsnorm.tools.verify import _speed_report, render
 
     # Stand-ins for the CUDA calls, so the timing logic runs on CPU.
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -361,10 +362,19 @@ def test_speed_figures_and_report(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 123)
     model = build_preset(DEFAULT_PRESET)
     prompts = workload.make_prompts(None, 512, 1, 8, 0, left_pad=False)
-    figures = measure_generate(model, prompts, new_tokens=3, repeats=2, pad_id=0)
+    events = []
+    states = [ModelState(name, lambda name=name: events.append(f"enter {name}"),
+                         lambda name=name: events.append(f"leave {name}"))
+              for name in ("unpatched", "patched", "norm_free")]
+    timed = measure_states(model, states, prompts, new_tokens=3, repeats=2, pad_id=0)
+    # Interleaved: every round (a warm-up and two timed) runs each state once, in turn, and leaves it.
+    assert events == [f"{verb} {name}" for _ in range(3) for name in ("unpatched", "patched", "norm_free")
+                      for verb in ("enter", "leave")]
+    figures = timed["patched"]
     assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
     assert figures.peak_memory_bytes == 100  # beyond what was allocated before the runs
-    assert speedups(figures, figures) == {"prefill_speedup": 1.0, "decode_speedup": 1.0}
+    speed = _speed_report({name: figures for name in ("unpatched", "patched", "norm_free")})
+    assert speed["decode_speedup"] == 1.0 and speed["decode_gain_share"] is None  # no gain to share
 
     reference = _logits()
     eager, patched = _diverging_generations(eager_gap=0.05)
@@ -382,12 +392,37 @@ def test_speed_figures_and_report(monkeypatch):
         "norm_outputs": {"norm_calls": 5, "elements": 2_000_000, "differing": 3, "max_ulp": 1},
         "generations": [{"prompt": "Q0?", "unpatched": "A0", "patched": "A0"},
                         {"prompt": "Q1?", "unpatched": "A1", "patched": "B1"}],
-        "speed": {"unpatched": figures.to_dict(), "patched": figures.to_dict(), **speedups(figures, figures)},
+        "speed": speed,
     }
     text = render(report)
     assert "decode tokens/s" in text and "1.000x" in text and "skipped lm_head: not a norm" in text
+    assert "norm-free: every norm returns its input" in text and "n/a" in text
     assert "Verdict: PASS" in text and "interpreter" not in text
     assert "3 of 2.00M elements differ (5 norm calls), by at most 1 ulp" in text
     assert "row 1 first differs at token 2: unpatched gap 0.05" in text and "a near-tie" in text
     assert "[1] Q1?" in text and "patched:   'B1'" in text and "patched:   (identical)" in text
     assert "first differ in 1 rows, all at near-ties (ok)" in text
+
+
+def test_norm_free_oracle_times_a_model_without_norms_and_restores_it():
+    """The oracle's stand-in returns each norm's input (so the model runs without normalising) and leaves
+    nothing behind; the gain share is the patched time saved over the norm-free time saved."""
+    from hf_rmsnorm.tools.norm_free import gain_share, norm_free
+
+    model = build_preset(DEFAULT_PRESET)
+    norms = check_model(model).norms
+    x = torch.randint(3, 500, (1, 6))
+    with torch.no_grad():
+        before = model(x).logits
+        with norm_free(model, norms):
+            norm = model.get_submodule(norms[0])
+            probe = torch.randn(2, model.config.hidden_size)
+            assert norm(probe) is probe
+            assert not torch.equal(model(x).logits, before)
+        assert torch.equal(model(x).logits, before) and "forward" not in norm.__dict__
+    with pytest.raises(ValueError, match="nope is not a module"):
+        with norm_free(model, ["nope"]):
+            pass
+    # 1 s per token unpatched, 0.9 patched, 0.8 norm-free: half the possible gain.
+    assert gain_share(1.0, 1 / 0.9, 1 / 0.8) == pytest.approx(0.5)
+    assert gain_share(1.0, 1.0, 1.0) is None

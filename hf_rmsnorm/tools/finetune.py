@@ -32,11 +32,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..ops import backend
-from ..patch import PatchReport, UnsupportedModelError, patch_model
+from ..patch import PatchReport, UnsupportedModelError, check_model, patch_model
 from . import finetune_fsdp
 from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
 from .loading import load_model, looks_like_path
+from .norm_free import ORACLE_NOTE, norm_free
 from .presets import preset_names
 
 # Where a LoRA run from a preset saves the base model, inside --output-dir: a preset's weights cannot be loaded
@@ -69,7 +70,10 @@ def describe_run(config: FinetuneConfig, accelerator: Accelerator) -> str:
     processes = f"{n} process{'es' if n > 1 else ''}"
     precision = "" if accelerator.mixed_precision == "no" else f", {accelerator.mixed_precision} mixed precision"
     sharding = f", FSDP2 by {'accelerate' if accelerate_shards(accelerator) else 'torch fully_shard'}"
-    norms = backend.describe(accelerator.device) if config.patch else "Hugging Face's own (--no-patch)"
+    if config.norm_free:
+        norms = f"none ({ORACLE_NOTE})"
+    else:
+        norms = backend.describe(accelerator.device) if config.patch else "Hugging Face's own (--no-patch)"
     return (
         f"fine-tuning {config.model}{' with LoRA' if config.lora else ''}: {config.max_steps} steps x "
         f"{config.batch_size} sequences x {config.seq_len} tokens x {processes} = {tokens} tokens "
@@ -99,11 +103,20 @@ def finetune(config: FinetuneConfig) -> dict:
     )
     accelerator.print(f"corpus: {len(documents)} documents -> {len(sequences)} sequences of {config.seq_len} tokens")
 
+    if config.norm_free and accelerator.num_processes > 1:
+        # The stand-ins leave the norms' weights without gradients, which DDP and FSDP refuse.
+        raise FinetuneInputError("--norm-free is a one-process timing oracle: launch it with --num_processes 1")
     try:
-        report = patch_model(model) if config.patch else None
+        report = patch_model(model) if config.patch and not config.norm_free else None
+        norm_names = check_model(model).norms if config.norm_free else []
     except UnsupportedModelError as exc:
         raise FinetuneInputError(str(exc)) from exc
-    accelerator.print(report if report is not None else "--no-patch: Hugging Face's own norms")
+    if config.norm_free:
+        # Installed for the rest of the run (a process of its own): the weights it trains mean nothing.
+        norm_free(model, norm_names).__enter__()
+        accelerator.print(f"--norm-free: {ORACLE_NOTE}; {len(norm_names)} norms")
+    else:
+        accelerator.print(report if report is not None else "--no-patch: Hugging Face's own norms")
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if config.lora:
@@ -119,6 +132,7 @@ def finetune(config: FinetuneConfig) -> dict:
     metrics = {
         "model": config.model,
         "patched": report is not None,
+        "norm_free": config.norm_free,
         "patch": None if report is None else patch_counts(report),
         "lora": config.lora,
         "gradient_checkpointing": config.gradient_checkpointing,

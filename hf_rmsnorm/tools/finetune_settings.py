@@ -37,6 +37,8 @@ class FinetuneConfig:
     lr: float | None = None
     seed: int = 0
     patch: bool = True
+    # Timing only: every norm returns its input (norm_free.py); implies no patch.
+    norm_free: bool = False
     lora: bool = False
     gradient_checkpointing: bool = False
     fsdp: bool = False

@@ -127,6 +127,7 @@ SECTIONS: tuple[Section, ...] = (
              "2")),
     _train("train-1b-patched", 100),
     _train("train-1b-unpatched", 100, "--no-patch"),
+    _train("train-1b-norm-free", 100, "--norm-free"),
     _generate("generate-1b-compiled", "generate() compiled (static cache, CUDA graphs), llama-3.2-1b-shape, bf16, "
               "batch 1, 128-token prompt, 256 new tokens", 240, "llama-3.2-1b-shape", compiled=True),
     _generate("generate-8b", "generate(), llama-3-8b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 150,

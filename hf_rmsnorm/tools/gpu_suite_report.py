@@ -13,13 +13,16 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .norm_free import ORACLE_NOTE, gain_share
+
 if TYPE_CHECKING:
     from .gpu_suite import Outcome
 
 KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
 LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
-# Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other.
+# Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other, and
+# optionally "<pair>-norm-free" (the oracle: the most any norm kernel could save).
 TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
 
 
@@ -71,12 +74,25 @@ def generate_lines(name: str, report: dict) -> list[str]:
              f"{report['patch']['fused_adds']} fused adds.", ""]
     if not speed:
         return lines + ["No speed figures (no GPU).", ""]
-    rows = [(what, f"{speed['unpatched'][key]:.1f}", f"{speed['patched'][key]:.1f}", f"{speed[ratio]:.3f}x")
-            for what, key, ratio in (("prefill tokens/s", "prefill_tokens_per_s", "prefill_speedup"),
-                                     ("decode tokens/s", "decode_tokens_per_s", "decode_speedup"))]
-    rows.append(("peak memory GiB beyond weights", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
-                 f"{speed['patched']['peak_memory_bytes'] / 2**30:.2f}", ""))
-    return lines + _table(("", "unpatched", "patched", "speedup"), rows)
+    free = speed.get("norm_free")  # reports before the oracle have none
+    rows = []
+    for what, key, phase in (("prefill tokens/s", "prefill_tokens_per_s", "prefill"),
+                             ("decode tokens/s", "decode_tokens_per_s", "decode")):
+        row = (what, f"{speed['unpatched'][key]:.1f}", f"{speed['patched'][key]:.1f}",
+               f"{speed[f'{phase}_speedup']:.3f}x")
+        if free:
+            share = speed[f"{phase}_gain_share"]
+            row += (f"{free[key]:.1f}", f"{speed['norm_free_speedups'][f'{phase}_speedup']:.3f}x",
+                    "n/a" if share is None else f"{100 * share:.0f}%")
+        rows.append(row)
+    memory = ("peak memory GiB beyond weights", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
+              f"{speed['patched']['peak_memory_bytes'] / 2**30:.2f}", "")
+    rows.append(memory + ((f"{free['peak_memory_bytes'] / 2**30:.2f}", "", "") if free else ()))
+    header = ("", "unpatched", "patched", "speedup")
+    if free:
+        header += ("norm-free", "norm-free speedup", "share of the norm-free gain")
+        lines = lines[:-1] + [f"States timed interleaved; {speed['norm_free_note']}.", ""]
+    return lines + _table(header, rows)
 
 
 def _step_seconds(metrics: dict) -> float:
@@ -84,9 +100,10 @@ def _step_seconds(metrics: dict) -> float:
     return statistics.median(times)
 
 
-def train_lines(name: str, patched: dict | None, unpatched: dict | None) -> list[str]:
-    """Median step time (first step left out), tokens/s and peak memory, patched against ``--no-patch``."""
-    runs = [(label, m) for label, m in (("patched", patched), ("unpatched", unpatched)) if m]
+def train_lines(name: str, patched: dict | None, unpatched: dict | None, free: dict | None = None) -> list[str]:
+    """Median step time (first step left out), tokens/s and peak memory, patched against ``--no-patch``, and the
+    share of the norm-free run's gain that the patch delivers."""
+    runs = [(label, m) for label, m in (("patched", patched), ("unpatched", unpatched), ("norm-free", free)) if m]
     if not runs:
         return []
     first = runs[0][1]
@@ -101,6 +118,10 @@ def train_lines(name: str, patched: dict | None, unpatched: dict | None) -> list
         lines += [f"Patched step speedup: {_step_seconds(unpatched) / _step_seconds(patched):.3f}x; peak memory "
                   f"{(patched['peak_memory_bytes'] or 0) / max(unpatched['peak_memory_bytes'] or 1, 1):.3f}x "
                   "of unpatched.", ""]
+    if patched and unpatched and free:
+        share = gain_share(1 / _step_seconds(unpatched), 1 / _step_seconds(patched), 1 / _step_seconds(free))
+        lines += [f"Norm-free step speedup: {_step_seconds(unpatched) / _step_seconds(free):.3f}x; the patch "
+                  f"delivers {'n/a' if share is None else f'{100 * share:.0f}%'} of that gain ({ORACLE_NOTE}).", ""]
     return lines
 
 
@@ -124,8 +145,9 @@ def summary(outcomes: list[Outcome], toy: bool) -> str:
         if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
             lines += generate_lines(name, report)
     for pair in TRAIN_PAIRS:
-        patched, unpatched = f"{pair}-patched", f"{pair}-unpatched"
-        lines += train_lines(pair, data.get(patched, {}).get(patched), data.get(unpatched, {}).get(unpatched))
+        patched, unpatched, free = f"{pair}-patched", f"{pair}-unpatched", f"{pair}-norm-free"
+        lines += train_lines(pair, data.get(patched, {}).get(patched), data.get(unpatched, {}).get(unpatched),
+                             data.get(free, {}).get(free))
     return "\n".join(lines)
 
 

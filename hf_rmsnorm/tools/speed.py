@@ -7,6 +7,12 @@ forwards and the N sampling steps). Each figure is the median of ``repeats`` run
 compiles its kernels and cuBLAS picks its algorithms on first use), with the device synchronised around every
 timed call so queued GPU work is counted. Splitting one run, rather than subtracting a short run from a long
 one, keeps both intervals positive whatever the noise.
+
+The states of the model compared (unpatched, patched, norm-free) are timed interleaved: each repeat runs every
+state once, in turn. Batch-1 decode is bound by host time, and a shared GPU host's speed drifts: on an H100
+host the same unpatched decode step measured 12.8 ms and 19.0 ms a few seconds apart, and one aten add 7.6 to
+15.6 us. Timing the states one after another in blocks gave whichever state ran in a slow spell the blame
+(patched decode "0.69x" in one run, faster than unpatched when interleaved in the same process).
 There is no CPU path: Triton's interpreter runs one program at a time in numpy, so CPU timings would measure
 the interpreter, not the kernels.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
@@ -42,6 +49,15 @@ def speedups(unpatched: SpeedFigures, patched: SpeedFigures) -> dict[str, float]
         "prefill_speedup": patched.prefill_tokens_per_s / unpatched.prefill_tokens_per_s,
         "decode_speedup": patched.decode_tokens_per_s / unpatched.decode_tokens_per_s,
     }
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One state of the model in an interleaved timing: ``enter()`` puts the model in it, ``leave()`` back."""
+
+    name: str
+    enter: Callable[[], object]
+    leave: Callable[[], object]
 
 
 class _FirstTokenClock(LogitsProcessor):
@@ -75,39 +91,54 @@ def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, p
     return clock.first_token_at - start, end - clock.first_token_at
 
 
-def measure_generate(
-    model: PreTrainedModel, prompts: Prompts, new_tokens: int, repeats: int, pad_id: int, *,
-    compile_on: str | None = None,
-) -> SpeedFigures:
-    """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model (see module docstring).
+def measure_states(
+    model: PreTrainedModel, states: list[ModelState], prompts: Prompts, new_tokens: int, repeats: int, pad_id: int,
+    *, compile_on: str | None = None,
+) -> dict[str, SpeedFigures]:
+    """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model in each of ``states``, interleaved
+    (see module docstring): a warm-up run per state, then ``repeats`` rounds of one timed run per state.
 
     Args:
         model: a model on a CUDA device.
+        states: the states to compare; each is entered before its run and left after it.
         prompts: an unpadded batch (every position is a real token, so tokens/s counts real tokens).
         new_tokens: tokens to generate per row; at least 2 (decode is the part after the first).
-        repeats: timed runs per figure; the median is reported.
+        repeats: timed runs per state; the median is reported.
         pad_id: pad token for ``generate``.
-        compile_on: ``"cuda"`` for transformers' compiled generation (``workload.generation_config``); the
-            warm-up run compiles and captures.
+        compile_on: ``"cuda"`` for transformers' compiled generation (``workload.generation_config``); each
+            state's warm-up run compiles and captures.
 
     Returns:
-        Prefill tokens/s (``batch * prompt_len`` per prefill), decode tokens/s (``batch`` per step after the
-        first) and the peak memory the timed runs allocated on the device beyond what was allocated before them
-        (the model's weights are not counted).
+        Per state name: prefill tokens/s (``batch * prompt_len`` per prefill), decode tokens/s (``batch`` per
+        step after the first) and the peak memory its timed runs allocated on the device beyond what was
+        allocated before each run (the model's weights are not counted).
     """
     if new_tokens < 2:
         raise ValueError("decode timing needs new_tokens >= 2")
     batch, prompt_len = prompts.input_ids.shape
-    _timed_generate(model, prompts, new_tokens, pad_id, compile_on)
     device = prompts.input_ids.device
-    torch.cuda.reset_peak_memory_stats(device)
-    # What the runs add on top of what is already held (the model, and whatever the caller keeps: verify.py
-    # holds several models' logits by the time it times the patched model), so two models compare fairly.
-    held_before = torch.cuda.memory_allocated(device)
-    prefill_s, decode_s = zip(*(_timed_generate(model, prompts, new_tokens, pad_id, compile_on)
-                                for _ in range(repeats)))
-    return SpeedFigures(
-        prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
-        decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),
-        peak_memory_bytes=torch.cuda.max_memory_allocated(device) - held_before,
-    )
+    times: dict[str, list[tuple[float, float]]] = {state.name: [] for state in states}
+    peaks = dict.fromkeys(times, 0)
+    for round_index in range(repeats + 1):  # round 0 warms every state up
+        for state in states:
+            state.enter()
+            try:
+                # What the run adds on top of what is already held (the model, and whatever the caller keeps),
+                # so the states compare fairly.
+                held_before = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                seconds = _timed_generate(model, prompts, new_tokens, pad_id, compile_on)
+                if round_index:
+                    times[state.name].append(seconds)
+                    peaks[state.name] = max(peaks[state.name], torch.cuda.max_memory_allocated(device) - held_before)
+            finally:
+                state.leave()
+    figures = {}
+    for name, runs in times.items():
+        prefill_s, decode_s = zip(*runs)
+        figures[name] = SpeedFigures(
+            prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
+            decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),
+            peak_memory_bytes=peaks[name],
+        )
+    return figures

@@ -23,12 +23,13 @@ import triton
 import hf_rmsnorm
 
 from ..ops import backend
-from ..patch import UnsupportedModelError, check_model, patch_model
+from ..patch import UnsupportedModelError, check_model, patch_model, unpatch_model
 from . import parity, workload
 from .cli import InputError
 from .loading import DTYPES, load_model, parse_dtype, weights_source
+from .norm_free import ORACLE_NOTE, gain_share, norm_free
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
-from .speed import measure_generate, speedups
+from .speed import ModelState, SpeedFigures, measure_states, speedups
 from .verify_settings import VERDICT_RULE, VerifyConfig
 
 @contextlib.contextmanager
@@ -145,20 +146,29 @@ def render(report: dict) -> str:
     if speed is None:
         lines.append("Speed: not measured; it needs a GPU (the interpreter's timings would mean nothing).")
     else:
-        unpatched, patched = speed["unpatched"], speed["patched"]
+        unpatched, patched, free = speed["unpatched"], speed["patched"], speed["norm_free"]
         gib = 1024 ** 3
+
+        def share(key: str) -> str:
+            value = speed[key]
+            return "n/a" if value is None else f"{100 * value:.0f}%"
+
         lines += [
             f"Speed: generate(){_compiled(settings)} on {env['device_name']}, batch {settings['batch_size']}, prompt "
-            f"{settings['prompt_len']}, {settings['max_new_tokens']} new tokens, median of {settings['repeats']}",
+            f"{settings['prompt_len']}, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} "
+            "rounds, the three states interleaved",
             _table([
-                ("", "unpatched", "patched", "speedup"),
+                ("", "unpatched", "patched", "speedup", "norm-free", "share of its gain"),
                 ("prefill tokens/s", f"{unpatched['prefill_tokens_per_s']:.0f}",
-                 f"{patched['prefill_tokens_per_s']:.0f}", f"{speed['prefill_speedup']:.3f}x"),
+                 f"{patched['prefill_tokens_per_s']:.0f}", f"{speed['prefill_speedup']:.3f}x",
+                 f"{free['prefill_tokens_per_s']:.0f}", share("prefill_gain_share")),
                 ("decode tokens/s", f"{unpatched['decode_tokens_per_s']:.1f}",
-                 f"{patched['decode_tokens_per_s']:.1f}", f"{speed['decode_speedup']:.3f}x"),
+                 f"{patched['decode_tokens_per_s']:.1f}", f"{speed['decode_speedup']:.3f}x",
+                 f"{free['decode_tokens_per_s']:.1f}", share("decode_gain_share")),
                 ("generate() peak memory GiB (beyond weights)", f"{unpatched['peak_memory_bytes'] / gib:.3f}",
-                 f"{patched['peak_memory_bytes'] / gib:.3f}", ""),
+                 f"{patched['peak_memory_bytes'] / gib:.3f}", "", f"{free['peak_memory_bytes'] / gib:.3f}", ""),
             ]),
+            f"  {speed['norm_free_note']}: the most any norm kernel could save.",
         ]
     eager_err, patched_err = par["eager_mean_err"], par["patched_mean_err"]
     ratio = patched_err / eager_err if eager_err else (1.0 if patched_err == 0 else float("inf"))
@@ -184,6 +194,46 @@ def _texts(tokenizer, generation: workload.Generation, eos_id) -> list[str]:
         end = next((i for i, token in enumerate(row) if token in stops), len(row))
         texts.append(tokenizer.decode(row[:end], skip_special_tokens=True).strip())
     return texts
+
+
+def _timed_states(model: torch.nn.Module, norm_names: list[str]) -> list[ModelState]:
+    """The states ``verify`` times, starting from and returning to the patched model: unpatched (unpatched, then
+    patched again), patched, and norm-free (``norm_free.py``: the unpatched model with every norm returning its
+    input)."""
+    oracle = contextlib.ExitStack()
+
+    def enter_norm_free() -> None:
+        unpatch_model(model)
+        oracle.enter_context(norm_free(model, norm_names))
+
+    def leave_norm_free() -> None:
+        oracle.close()
+        patch_model(model)
+
+    def nothing() -> None:
+        return None
+
+    return [
+        ModelState("unpatched", lambda: unpatch_model(model), lambda: patch_model(model)),
+        ModelState("patched", nothing, nothing),
+        ModelState("norm_free", enter_norm_free, leave_norm_free),
+    ]
+
+
+def _speed_report(figures: dict[str, SpeedFigures]) -> dict:
+    """The ``speed`` part of the report: each state's figures, the patched speedups, and the share of the
+    norm-free model's gain that the patch delivers (None where the norm-free model was not faster)."""
+    unpatched, patched, free = figures["unpatched"], figures["patched"], figures["norm_free"]
+    return {
+        **{name: f.to_dict() for name, f in figures.items()},
+        **speedups(unpatched, patched),
+        "norm_free_speedups": speedups(unpatched, free),
+        "prefill_gain_share": gain_share(unpatched.prefill_tokens_per_s, patched.prefill_tokens_per_s,
+                                         free.prefill_tokens_per_s),
+        "decode_gain_share": gain_share(unpatched.decode_tokens_per_s, patched.decode_tokens_per_s,
+                                        free.decode_tokens_per_s),
+        "norm_free_note": ORACLE_NOTE,
+    }
 
 
 def run(config: VerifyConfig, device: torch.device) -> dict:
@@ -223,18 +273,11 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
         with step(f"{label}: up to {new_tokens} greedy tokens per row{compiled}"):
             return workload.greedy_tokens(model, prompts, new_tokens, pad_id, compile_on=compile_on)
 
-    def timing(label: str):
-        if not on_gpu:
-            return None
-        with step(f"{label} model: timing generate(){compiled}, {config.repeats} repeats"):
-            return measure_generate(model, speed_prompts, new_tokens, config.repeats, pad_id, compile_on=compile_on)
-
     # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
     with step("unpatched model: logits, recording every norm's input and output"):
         with recorded_norm_calls(model, planned.norms) as norm_calls:
             eager_logits = workload.prompt_logits(model, prompts)
     eager_generation = generation("unpatched model")
-    eager_speed = timing("unpatched")
     reference_dtype = parity.reference_dtype(dtype)
     with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
         with parity.upcast(model, reference_dtype):
@@ -248,17 +291,19 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
         norm_agreement = compare_norm_outputs(model, norm_calls)
     del norm_calls
     patched_generation = generation(f"patched model{kernels}")
-    patched_speed = timing("patched")
+    speed = None
+    if on_gpu:
+        with step(f"timing generate(){compiled}: unpatched, patched and norm-free interleaved, {config.repeats} "
+                  "rounds"):
+            figures = measure_states(model, _timed_states(model, planned.norms), speed_prompts, new_tokens,
+                                     config.repeats, pad_id, compile_on=compile_on)
+        speed = _speed_report(figures)
 
     result = parity.compare(
         eager_logits, patched_logits, reference_logits, dtype, eager_generation, patched_generation
     )
     # A patch that replaced nothing compares the model with itself: parity would pass and prove nothing.
     failure = None if patch.norms else "nothing was patched, so parity proves nothing"
-    speed = None
-    if on_gpu:
-        speed = {"unpatched": eager_speed.to_dict(), "patched": patched_speed.to_dict(),
-                 **speedups(eager_speed, patched_speed)}
     generations = None
     if tokenizer is not None:
         eos_id = model.generation_config.eos_token_id

@@ -1,0 +1,52 @@
+"""The norm-free oracle: a model whose norms return their input, for timing only.
+
+A model run with every norm replaced by a stand-in that costs nothing (it returns its input; the residual adds
+stay plain adds) bounds what any norm kernel could save: the patched model's gain over the unpatched one, divided
+by the norm-free model's gain, is the share of the possible gain the patch delivers. Its outputs mean nothing
+(nothing is normalised): it is timed, never compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:  # imported by the GPU suite's report, which runs without torch
+    from torch import Tensor, nn
+
+ORACLE_NOTE = "norm-free: every norm returns its input (timing only; its outputs are meaningless)"
+
+
+def _pass_through(hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    return hidden_states
+
+
+@contextlib.contextmanager
+def norm_free(model: nn.Module, norm_names: list[str]) -> Iterator[None]:
+    """Within the block, the modules of ``model`` named in ``norm_names`` return their input.
+
+    The stand-in is an instance attribute ``forward`` (``nn.Module.__call__`` calls ``self.forward``), removed on
+    exit, so the classes, weights and hooks stay as they were; the modules must not be patched meanwhile (the
+    patcher refuses modules with an instance ``forward``)."""
+    modules = dict(model.named_modules())
+    missing = [name for name in norm_names if name not in modules]
+    if missing:
+        raise ValueError(f"norm_free: {missing[0]} is not a module of the model")
+    replaced = [modules[name] for name in norm_names]
+    for module in replaced:
+        module.forward = _pass_through
+    try:
+        yield
+    finally:
+        for module in replaced:
+            del module.forward
+
+
+def gain_share(unpatched_rate: float, patched_rate: float, norm_free_rate: float) -> float | None:
+    """The patched model's time saved over the norm-free model's time saved, per token (rates in tokens/s);
+    None when the norm-free model is not faster than the unpatched one (no gain to share: noise, or norms that
+    cost nothing measurable)."""
+    unpatched, patched, free = 1 / unpatched_rate, 1 / patched_rate, 1 / norm_free_rate
+    if free >= unpatched:
+        return None
+    return (unpatched - patched) / (unpatched - free)
