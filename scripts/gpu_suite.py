@@ -5,8 +5,9 @@
 
 Sections, in order (each a subprocess under its own time limit; --only picks some): offline install check, the
 kernel tests on the card, kernel bandwidth and host time per call (bf16), generate() on the Llama-3.2-1B shape,
-training steps patched and unpatched, generate() on the Llama-3-8B shape, fp16 and decode-sized kernels, prefill
-at 2048 tokens, and the kernels against torch.compile. DIR gets summary.md (the figures as tables),
+training steps patched, unpatched and norm-free, generate() on the Llama-3-8B shape, fp16 and decode-sized
+kernels, prefill at 2048 tokens, the kernels against torch.compile, FSDP2 training, compiled generation on the 8B
+shape, and RMSNorm against LayerNorm (kernels, and a Pythia-1B-shaped LayerNorm decoder's generate()). DIR gets summary.md (the figures as tables),
 results.json, log.txt and kernels.png. Nothing is installed into the environment unless the install section
 succeeds in installing this checkout (editable, offline).
 

@@ -140,6 +140,15 @@ SECTIONS: tuple[Section, ...] = (
            "bf16", "16384", "4096 8192", "hf_rmsnorm torch_compile", "fwd bwd"),
     _train("train-1b-fsdp-patched", 100, "--fsdp"),
     _train("train-1b-fsdp-unpatched", 100, "--fsdp", "--no-patch"),
+    _generate("generate-8b-compiled", "generate() compiled (static cache, CUDA graphs), llama-3-8b-shape, bf16, "
+              "batch 1, 128-token prompt, 256 new tokens", 300, "llama-3-8b-shape", compiled=True),
+    # RMSNorm against LayerNorm: the same shapes through each fused kernel and each eager op, and a LayerNorm
+    # decoder's generate() with its LayerNorms fused (parity against its own eager LayerNorms).
+    _bench("kernels-layernorm", "fused add + RMSNorm against fused add + LayerNorm and their eager ops, bf16, 16384 "
+           "rows", 90, "bf16", "16384", "2048 4096 8192", "hf_rmsnorm hf_layernorm torch_rms_norm torch_layer_norm",
+           "fwd bwd"),
+    _generate("generate-pythia-1b", "generate(), pythia-1b-shape (GPT-NeoX, LayerNorms), bf16, batch 1, 128-token "
+              "prompt, 256 new tokens", 150, "pythia-1b-shape"),
 )
 
 

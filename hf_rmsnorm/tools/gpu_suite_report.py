@@ -18,7 +18,9 @@ from .norm_free import ORACLE_NOTE, gain_share
 if TYPE_CHECKING:
     from .gpu_suite import Outcome
 
-KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile")
+KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm")
+# This package's implementations, each reported in rows of its own.
+OURS = ("hf_rmsnorm", "hf_layernorm")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
 LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other, and
@@ -39,22 +41,24 @@ def kernel_lines(name: str, bench: dict) -> list[str]:
     failed = [r for r in bench["results"] if r["status"] != "ok"]
     by_key = {(r["impl"], r["phase"], r["rows"], r["hidden"]): r for r in results}
     baselines = [b for b in KERNEL_BASELINES if any(r["impl"] == b for r in bench["results"])]
+    ours = [o for o in OURS if any(r["impl"] == o for r in results)]
     rows = []
     for (impl, phase, n_rows, hidden), r in by_key.items():
-        if impl != "hf_rmsnorm":
+        if impl not in ours:
             continue
         speedups = []
         for b in baselines:
             base = by_key.get((b, phase, n_rows, hidden))
             speedups.append(f"{base['seconds'] / r['seconds']:.2f}x" if base else "-")
-        rows.append((phase, n_rows, hidden, f"{r['seconds'] * 1e6:.1f}", f"{r['gbps']:.0f}",
+        named = (impl,) if len(ours) > 1 else ()
+        rows.append((*named, phase, n_rows, hidden, f"{r['seconds'] * 1e6:.1f}", f"{r['gbps']:.0f}",
                      f"{100 * r['copy_fraction']:.1f}%", f"{r['call_seconds'] * 1e6:.1f}", f"{r['call_gbps']:.0f}",
                      f"{100 * r['call_copy_fraction']:.1f}%", *speedups))
     graphs = ("kernels under CUDA graph replay" if all(r["cuda_graph"] for r in results)
               else "kernels timed without CUDA graphs")
     lines = [f"### {name} ({bench['device']}, {r0['dtype'] if (r0 := next(iter(results), None)) else ''}; "
              f"copy bandwidth {bench['copy_gbps']:.0f} GB/s; {graphs})", ""]
-    lines += _table(("phase", "rows", "hidden", "kernel us", "GB/s", "% of copy", "call us", "call GB/s",
+    lines += _table((("impl",) if len(ours) > 1 else ()) + ("phase", "rows", "hidden", "kernel us", "GB/s", "% of copy", "call us", "call GB/s",
                      "call % of copy", *(f"vs {b}" for b in baselines)), rows)
     if failed:
         lines += [f"Not measured: {len(failed)} runs, e.g. {failed[0]['impl']} {failed[0]['phase']} "

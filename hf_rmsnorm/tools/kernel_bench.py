@@ -9,6 +9,9 @@ Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` an
 * ``torch_compile``: ``torch.compile`` of the ``hf_eager`` function, add included (recompiled per shape).
 * ``liger``: Liger-Kernel's ``LigerFusedAddRMSNorm`` (skipped when ``liger_kernel`` is not installed; a release
   without it gets an error row).
+* ``hf_layernorm``: this package's fused add + LayerNorm (``mode="layernorm"``, with a bias), and
+  ``torch_layer_norm``: ``torch.nn.functional.layer_norm`` after a separate add: RMSNorm against LayerNorm, each
+  fused and eager, on the same shapes.
 
 Method: every (implementation, phase, shape) gets two figures, each the median of the repeats after a warm-up,
 timed with CUDA events with the inputs flushed from L2 before every run (small problems otherwise time L2, not
@@ -59,7 +62,7 @@ from typing import Any, Callable
 import torch
 
 PHASES = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("hf_rmsnorm", "hf_eager", "torch_rms_norm", "torch_compile", "liger")
+IMPLS = ("hf_rmsnorm", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm", "torch_layer_norm")
 DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
 DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -273,6 +276,16 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
         _dynamo.reset()
         module = _hf_module(hidden, dtype, device)
         return Impl(torch.compile(_eager_add_norm(module), dynamic=False), module.weight)
+    if name in ("hf_layernorm", "torch_layer_norm"):
+        from ..ops import fused_add_rms_norm
+
+        weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
+        bias = torch.zeros(hidden, dtype=dtype, device=device)  # no gradient asked, as for the RMSNorms' inputs
+        if name == "torch_layer_norm":
+            return Impl(_eager_add_norm(lambda s: torch.nn.functional.layer_norm(s, (hidden,), weight, bias, EPS)),
+                        weight)
+        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS, bias=bias, mode="layernorm"),
+                    weight)
     if name == "liger":
         from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
 

@@ -100,6 +100,15 @@ def _llama_3_8b_shape() -> PretrainedConfig:
                    tie_word_embeddings=False)
 
 
+def _pythia_1b_shape() -> PretrainedConfig:
+    """Pythia-1B's shape (GPT-NeoX): 16 parallel-residual layers of width 2048 with LayerNorms (with bias), rotary
+    on a quarter of each head (1.01B parameters): the LayerNorm decoder of the RMSNorm-against-LayerNorm figures."""
+    return _config("GPTNeoXConfig", vocab_size=50304, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   num_attention_heads=8, rotary_pct=0.25, max_position_embeddings=2048, layer_norm_eps=1e-5,
+                   use_parallel_residual=True, tie_word_embeddings=False, pad_token_id=PAD_TOKEN_ID,
+                   bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
+
+
 PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-llama": _tiny_llama,
     "tiny-mistral": _tiny_mistral,
@@ -108,6 +117,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-phi3": _tiny_phi3,
     "llama-3.2-1b-shape": _llama_3_2_1b_shape,
     "llama-3-8b-shape": _llama_3_8b_shape,
+    "pythia-1b-shape": _pythia_1b_shape,
 }
 
 # The random-weight preset of the tests and the fine-tuning example.
