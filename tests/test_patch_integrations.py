@@ -55,6 +55,26 @@ def test_gradient_checkpointing_gives_identical_gradients(use_reentrant):
         torch.testing.assert_close(grad, eager[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpointing_some_layers_gives_identical_gradients(use_reentrant):
+    """Layers checkpointed next to layers that are not: the MLP add of a layer is fused into the next layer's
+    norm in training too, but never across a checkpointed layer's boundary in a way its recomputation would not
+    repeat (saved-tensor hooks stop the handoff), and a value made without a graph (reentrant checkpointing's
+    first pass runs under no_grad) never reaches a layer that records one."""
+    model = tiny_model("llama", layers=3).train()
+    ids = input_ids()
+    patched = _patched(model)
+    assert any(" mlp residual -> " in line for line in patch_model(patched).fused_adds)
+    expected = _grads(patched, ids)
+    patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    for checkpointed in ([0, 2], [1]):
+        for i, layer in enumerate(patched.model.layers):
+            layer.gradient_checkpointing = i in checkpointed
+        actual = _grads(patched, ids)
+        for name, grad in expected.items():
+            assert torch.equal(actual[name], grad), (checkpointed, name)
+
+
 def _recording(layer, calls):
     checkpoint = layer._gradient_checkpointing_func
 

@@ -54,12 +54,15 @@ def kernel_calls(monkeypatch):
 
 def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool) -> dict[str, int]:
     """The kernel calls of one process's training steps on a patched tiny model: every patched norm runs once
-    per step, each layer's attention residual add inside its post_attention_layernorm's kernel; the norms inside
-    the layers run twice under gradient checkpointing, which runs each layer again to recompute it (the final
-    norm is the one norm outside the layers)."""
-    layer_runs = 2 if checkpointing else 1
-    fused_adds = n_layers * layer_runs * STEPS
-    return {"rms_norm": ((n_norms - 1) * layer_runs + 1) * STEPS - fused_adds, "fused_add_rms_norm": fused_adds}
+    per step; each layer's attention residual add runs inside its post_attention_layernorm's kernel and, without
+    checkpointing, its MLP residual add inside the next norm's (the next layer's input norm, or the final norm),
+    which then runs no kernel of its own. Under gradient checkpointing (transformers' default, non-reentrant)
+    the norms inside the layers run twice, each layer being run again to recompute it, and the MLP adds stay
+    apart: the handoff is off where saved-tensor hooks are on (the final norm is the one norm outside the
+    layers)."""
+    fused_adds = 2 * n_layers * STEPS
+    calls = ((n_norms - 1) * 2 + 1) * STEPS if checkpointing else n_norms * STEPS
+    return {"rms_norm": calls - fused_adds, "fused_add_rms_norm": fused_adds}
 
 
 # --- Trainer under accelerate launch: 2 processes, DDP over gloo -------------------------------------------
@@ -145,7 +148,7 @@ def test_sft_trainer_of_a_model_name_patched_after_construction(
 MODULES_TO_SAVE = {
     # Every layer's post_attention_layernorm: the norm the attention residual add is fused into.
     "post-attention norms": ["post_attention_layernorm"],
-    # The final norm: the last layer's MLP residual add goes into it in inference.
+    # The final norm: the last layer's MLP residual add goes into it.
     "final norm": ["model.norm"],
 }
 
@@ -217,8 +220,11 @@ def test_peft_modules_to_save_norm(order, target, kernel_calls):
     # Every norm the model calls ran the kernels, wrapped or not (the wrappers call one copy each).
     n_norms = sum(1 for name, _ in tiny_model("llama").named_parameters() if "norm" in name)
     assert kernel_calls["rms_norm"] + kernel_calls["fused_add_rms_norm"] == n_norms * len(losses)
-    # A fused layer hands its attention add to post_attention_layernorm, through the wrapper when it is wrapped.
-    assert kernel_calls["fused_add_rms_norm"] == (n_layers * len(losses) if layers_fused else 0)
+    # A fused layer hands its attention add to post_attention_layernorm, through the wrapper when it is wrapped,
+    # and its MLP add to the next norm unless that norm is wrapped (the wrapper calls another copy: the last
+    # layer's add stays apart when the final norm is wrapped).
+    mlp_adds = n_layers - (target == "final norm") if layers_fused else 0
+    assert kernel_calls["fused_add_rms_norm"] == ((n_layers + mlp_adds) * len(losses) if layers_fused else 0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=LOSS_RTOL, atol=0)
     # The saved copies trained (as the unpatched model's did); the originals stayed frozen.
     initial = tiny_model("llama").state_dict()

@@ -1,4 +1,4 @@
-"""Cross-layer fusion: layer ``i``'s MLP residual add computed together with the next norm, in inference.
+"""Cross-layer fusion: layer ``i``'s MLP residual add computed together with the next norm.
 
 Layer ``i`` of a stack calls the next norm module (layer ``i + 1``'s input norm, or the final norm) on its MLP
 output and residual: one kernel writes the sum and the normed sum. The layer returns the true sum, so everything
@@ -13,7 +13,15 @@ only when nothing but that forward can run between the two modules:
   passes each layer's output straight to the next layer and the last one to the final norm;
 * no hook that could see or change the hidden state in between (``_foreign_code_between``), and no accelerate
   hook, which moves or offloads weights;
-* autograd off and not under ``torch.compile`` (a precomputed output has no graph; the scope is Python state).
+* not under ``torch.compile`` (the scope is Python state);
+* where autograd records, no saved-tensor hooks (non-reentrant activation checkpointing and activation offloading
+  install them): a checkpointed layer is recomputed in the backward outside any scope, so a handoff in its first
+  run would make it save other tensors than its recomputation does. Reentrant checkpointing runs the first pass
+  under ``no_grad``; an entry is taken only in the grad mode it was made in, so a value computed without a graph
+  never reaches a layer that records one.
+
+In training the handed-off norm's output is an output of the fused kernel's autograd node, so its gradient, and
+the norm weight's, flow through that node's backward (the sum's gradient is its other input).
 
 A custom layer loop, a stack whose forward another library replaced, a hook editing the hidden state in place
 (under ``torch.inference_mode`` tensors have no version counter to reveal it): none of them runs inside a scope
@@ -34,21 +42,25 @@ from torch import Tensor, nn
 @dataclass
 class NextNorm:
     """Where layer ``i``'s MLP residual sum goes: ``norm`` is the first module to read it, and ``consumer``
-    (the next layer, or the final norm itself) is the module the stack calls with it."""
+    (the next layer, or the final norm itself) is the module the stack calls with it. The consumer reaches the
+    norm as ``parent.<attribute>`` (the next layer's input norm, or the stack's final norm): a wrapper put there
+    after patching (PEFT's ``modules_to_save``) calls another module, so the handoff checks it is still ``norm``."""
 
     consumer: nn.Module
     norm: nn.Module
+    parent: nn.Module
+    attribute: str
 
 
 class HandoffScope:
     """The handoffs of one call of a stack's forward: ``links`` maps each layer to its ``NextNorm`` (set on the
-    stack when patching), ``entries`` maps a norm to ``(sum, its version, normed sum)``."""
+    stack when patching), ``entries`` maps a norm to ``(sum, its version, grad mode, normed sum)``."""
 
     __slots__ = ("links", "entries")
 
     def __init__(self, links: dict[nn.Module, NextNorm]) -> None:
         self.links = links
-        self.entries: dict[nn.Module, tuple[Tensor, int | None, Tensor]] = {}
+        self.entries: dict[nn.Module, tuple[Tensor, int | None, bool, Tensor]] = {}
 
 
 _SCOPE: ContextVar[HandoffScope | None] = ContextVar("hf_rmsnorm_handoff_scope", default=None)
@@ -64,8 +76,12 @@ def leave(token) -> None:
 
 
 def handoff_possible() -> bool:
-    """Whether a handoff may happen at all now: inference, outside ``torch.compile``."""
-    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    """Whether a handoff may happen at all now: outside ``torch.compile``, and, where autograd records, with no
+    saved-tensor hooks installed (module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
+    # No public API says whether saved-tensor hooks are on; this is what torch.autograd.graph's own hooks read.
+    return not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 def target_of(layer: nn.Module, hidden_states: Tensor) -> NextNorm | None:
@@ -74,27 +90,30 @@ def target_of(layer: nn.Module, hidden_states: Tensor) -> NextNorm | None:
     if scope is None:
         return None
     target = scope.links.get(layer)
-    weight = None if target is None else getattr(target.norm, "weight", None)
-    if target is None or (isinstance(weight, Tensor) and weight.device != hidden_states.device):
+    if target is None or target.parent._modules.get(target.attribute) is not target.norm:
+        return None
+    weight = getattr(target.norm, "weight", None)
+    if isinstance(weight, Tensor) and weight.device != hidden_states.device:
         return None
     return None if _foreign_code_between(layer, target) else target
 
 
 def put(norm: nn.Module, hidden_states: Tensor, normed: Tensor) -> None:
     """Hands ``normed`` to ``norm`` for its next call with ``hidden_states`` (inside the current scope)."""
-    _SCOPE.get().entries[norm] = (hidden_states, _version(hidden_states), normed)
+    _SCOPE.get().entries[norm] = (hidden_states, _version(hidden_states), torch.is_grad_enabled(), normed)
 
 
 def take(norm: nn.Module, hidden_states: Tensor) -> Tensor | None:
-    """What was handed to ``norm`` for exactly ``hidden_states``, unmodified; None otherwise. Consumes the entry."""
+    """What was handed to ``norm`` for exactly ``hidden_states``, unmodified, in the current grad mode; None
+    otherwise. Consumes the entry."""
     # No scope is ever entered under torch.compile; checking first keeps the context variable out of the trace.
-    scope = None if torch.compiler.is_compiling() else _SCOPE.get()
+    scope = _SCOPE.get() if handoff_possible() else None
     if scope is None:
         return None
     entry = scope.entries.pop(norm, None)
     if entry is None or entry[0] is not hidden_states or entry[1] != _version(hidden_states):
         return None
-    return entry[2]
+    return entry[3] if entry[2] == torch.is_grad_enabled() else None
 
 
 def _version(t: Tensor) -> int | None:

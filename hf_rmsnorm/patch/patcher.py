@@ -55,7 +55,7 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
 
     Norms become modules whose ``forward`` calls the kernels (and accepts ``residual=`` for a fused add);
     decoder layers of a known pre-norm structure fuse their attention residual add into
-    ``post_attention_layernorm`` and, in inference, their MLP residual add into the next layer's input norm
+    ``post_attention_layernorm`` and their MLP residual add into the next layer's input norm
     (the last layer's into the final norm). Outputs, hidden states, hooks, parameters and state dicts stay
     what they were. Patching a patched model does nothing and returns the first report.
 
@@ -397,8 +397,8 @@ def _plan_handoffs(
     norms: dict[nn.Module, str],
     plan: _Plan,
 ) -> None:
-    """Plans the stacks whose layers fuse their MLP residual add into the next norm (inference): the stack's
-    class swap (its forward opens the handoff scope) and its table of links (``handoff.py``)."""
+    """Plans the stacks whose layers fuse their MLP residual add into the next norm: the stack's class swap (its
+    forward opens the handoff scope) and its table of links (``handoff.py``)."""
     for name, stack, kind in stacks:
         links = _stack_links(stack, kind, layers, norms)
         if not links:
@@ -413,8 +413,8 @@ def _plan_handoffs(
             layer_name, layer_kind = layers[layer]
             plan.report.fused_adds.append(
                 # A parallel block's dropouts act on its branches before the add, so they never stop the fusion.
-                f"{layer_name}: parallel residual -> {norms[target.norm]} (inference)" if layer_kind.parallel else
-                f"{layer_name}: mlp residual -> {norms[target.norm]} (inference)"
+                f"{layer_name}: parallel residual -> {norms[target.norm]}" if layer_kind.parallel else
+                f"{layer_name}: mlp residual -> {norms[target.norm]}"
                 + _while_inactive(layer_kind.mlp_dropout)
             )
 
@@ -437,12 +437,12 @@ def _stack_links(
             consumer = layer_list[i + 1]
             if consumer not in layers or layers[consumer][1].input_norm is None:
                 continue
-            norm = getattr(consumer, layers[consumer][1].input_norm)
+            parent, attribute = consumer, layers[consumer][1].input_norm
         elif final_norm in norms:
-            consumer = norm = final_norm
+            consumer, parent, attribute = final_norm, stack, kind.final_norm
         else:
             continue
-        links[layer] = NextNorm(consumer, norm)
+        links[layer] = NextNorm(consumer, getattr(parent, attribute), parent, attribute)
     return links
 
 
