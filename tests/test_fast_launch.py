@@ -1,16 +1,32 @@
-"""The cached launch path (``hf_rmsnorm.ops.fast_launch``): its key decides everything Triton's does, and on a GPU
-it runs the same binary as ``kernel[grid](...)``."""
+"""The cached launch path (``hf_rmsnorm.ops.fast_launch``): its keys decide everything Triton's does, and on a GPU
+it runs the same binary as ``kernel[grid](...)``.
+
+Without a GPU, ``stand_in_forward_kernel`` runs the path all the way to the compiled kernel's launch: the forward
+kernel as the launcher meets it on a GPU, compiled to binaries whose launch runs nothing (``test_host_proxies.py``
+times the path with it)."""
 
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from hf_rmsnorm import fused_add_rms_norm
-from hf_rmsnorm.ops import backend, launch
-from hf_rmsnorm.ops.fast_launch import _arg_key
+from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
+from hf_rmsnorm.ops import backend, fast_launch, launch
+from hf_rmsnorm.ops.fast_launch import CachedLauncher, _arg_key
 from hf_rmsnorm.ops.kernels import norm_fwd_kernel
 from hf_rmsnorm.tools.kernel_inspect import capture_launch
+
+HIDDEN = 64
+# The kernels' device: on a CPU host the stand-in still runs the launch path (the interpreter's kernels skip it).
+DEVICE = "cpu" if backend.kernels_interpreted() else "cuda"
+
+
+def _jit_forward_kernel():
+    """The forward kernel as a GPU process defines it: under the interpreter it is an InterpretedFunction."""
+    from triton.runtime.jit import JITFunction
+
+    return norm_fwd_kernel if isinstance(norm_fwd_kernel, JITFunction) else JITFunction(norm_fwd_kernel.fn)
 
 
 def _triton_binder():
@@ -20,11 +36,65 @@ def _triton_binder():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
-    from triton.runtime.jit import JITFunction
 
-    # Under the interpreter the kernel is an InterpretedFunction: build the JITFunction a GPU process would have.
-    kernel = norm_fwd_kernel if isinstance(norm_fwd_kernel, JITFunction) else JITFunction(norm_fwd_kernel.fn)
+    kernel = _jit_forward_kernel()
     return create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+
+class StandInKernel:
+    """``norm_fwd_kernel`` as the cached launcher meets it on a GPU: its parameters, and ``kernel[grid](...)``
+    compiling (counted in ``compilations``) to a binary whose launch (counted in ``cached_launches``) runs nothing.
+    Once ``binder`` is set to Triton's, each binary checks every launch of it against the specialisation it was
+    compiled for."""
+
+    def __init__(self) -> None:
+        self.params = _jit_forward_kernel().params
+        self.binder = None
+        self.compilations = 0
+        self.cached_launches = 0
+
+    def specialisation(self, *args, **kwargs):
+        return None if self.binder is None else repr(self.binder(*args, **kwargs)[1])
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, num_warps, **constexprs):
+            self.compilations += 1
+            return _NoOpBinary(self, self.specialisation(*args, **constexprs))
+
+        return compile_and_launch
+
+
+class _NoOpBinary:
+    """A compiled kernel as the cached launcher uses one; its launch only counts and checks."""
+
+    function = packed_metadata = None
+
+    def __init__(self, kernel: StandInKernel, specialisation) -> None:
+        self.kernel, self.specialisation = kernel, specialisation
+
+    def launch_metadata(self, *_):
+        return None
+
+    def run(self, *launch_args):
+        self.kernel.cached_launches += 1
+        if self.kernel.binder is not None:
+            # After the grid, stream, function, packed metadata, launch metadata and the two hooks: the kernel's
+            # arguments, constexprs included, in declared order.
+            assert self.kernel.specialisation(*launch_args[9:]) == self.specialisation
+
+
+def stand_in_forward_kernel(monkeypatch) -> StandInKernel:
+    """Routes the forward kernel's launches through a fresh ``CachedLauncher`` over a ``StandInKernel``, down to
+    the binary's launch, as on a GPU with Triton >= 3.5 and no launch hook; returns the stand-in."""
+    kernel = StandInKernel()
+    launcher = CachedLauncher(kernel)
+    launcher.cacheable = True  # as for a compiled kernel: the stand-in is no JITFunction
+    monkeypatch.setitem(launch._LAUNCHERS, norm_fwd_kernel, launcher)
+    # What the launch reads from Triton on each call: a CPU host has no driver, Triton before 3.5 no knobs.
+    monkeypatch.setattr(fast_launch, "_KNOBS", SimpleNamespace(
+        runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
+    monkeypatch.setattr(fast_launch, "_stream_getter", lambda: lambda device: 0)
+    return kernel
 
 
 def test_equal_keys_mean_equal_triton_specialisations():
@@ -37,7 +107,8 @@ def test_equal_keys_mean_equal_triton_specialisations():
     flags = {name: value for name, value in flags.items() if name != "num_warps"}
     seen: dict[tuple, object] = {}
     for offset, dtype, n_rows, stride, eps in itertools.product(
-        (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16), (4096, 4104), (1e-6, 1e-5)
+        (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16, 2**63 + 16), (4096, 4104),
+        (1e-6, 1e-5)
     ):
         x = base[offset:offset + 4096].view(dtype)
         args = (x, x, x, None, x, x, x.float(), n_rows, 4096, stride, stride, 4096, 4096, eps)
@@ -53,7 +124,8 @@ def test_cached_launches_equal_tritons_own():
     """Misses go through kernel[grid](...), hits through the cached launcher: both give the same bits, for
     aligned and unaligned inputs and decode- and prefill-sized calls."""
     for launcher in launch._LAUNCHERS.values():
-        launcher.compiled.clear()
+        launcher.by_plan.clear()
+        launcher.by_arguments.clear()
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(64 * 4096 + 8, device="cuda", dtype=torch.bfloat16, generator=g)
     weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -64,5 +136,83 @@ def test_cached_launches_equal_tritons_own():
             outputs = [fused_add_rms_norm(x, residual, weight) for _ in range(3)]  # a miss, then two hits
         for y, s in outputs[1:]:
             assert torch.equal(y, outputs[0][0]) and torch.equal(s, outputs[0][1])
-    cached = launch._LAUNCHERS[launch.norm_fwd_kernel].compiled
-    assert len(cached) >= 3  # rows 1 aligned and unaligned, 3 and 64 rows: different specialisations
+    launcher = launch._LAUNCHERS[launch.norm_fwd_kernel]
+    assert len(launcher.by_plan) >= 3  # 1, 3 and 64 rows aligned: different specialisations of one plan
+    assert len(launcher.by_arguments) >= 1  # 1 row unaligned
+
+
+def _forward_call(op: str = "fused_add_rms_norm", rows: int = 1, dtype: torch.dtype = torch.bfloat16,
+                  offset: int = 0, mode: str = "llama", weight: bool = True, eps: float = 1e-6, grad: bool = False):
+    """A forward call of ``op`` whose input and residual start ``offset`` elements into their buffers (1: not
+    16-byte aligned; 8 of 2-byte elements: aligned); with ``grad``, the weight requires grad (so the statistics
+    are stored)."""
+    g = torch.Generator().manual_seed(rows)
+
+    def rows_at_offset() -> torch.Tensor:
+        buffer = torch.randn(rows * HIDDEN + offset, generator=g).to(DEVICE, dtype)
+        return buffer[offset:].view(rows, HIDDEN)
+
+    x, residual = rows_at_offset(), rows_at_offset()
+    w = torch.randn(HIDDEN, generator=g).to(DEVICE, dtype).requires_grad_(grad) if weight else None
+    calls = {
+        "fused_add_rms_norm": lambda: fused_add_rms_norm(x, residual, w, eps, mode=mode),
+        "rms_norm": lambda: rms_norm(x, w, eps, mode=mode),
+        "rms_norm_add": lambda: rms_norm_add(x, residual, w, eps, mode=mode),
+    }
+    return calls[op]
+
+
+def test_every_cached_launch_runs_a_binary_of_its_own_specialisation(monkeypatch):
+    """Forward calls that differ in everything Triton specialises on (alignment, row count, dtypes, constexprs:
+    op, mode, weight, statistics), each made twice: every launch from the cache, by plan or by arguments, runs a
+    binary Triton compiled for exactly its specialisation."""
+    kernel = stand_in_forward_kernel(monkeypatch)
+    kernel.binder = _triton_binder()
+    combinations = list(itertools.product(
+        ("fused_add_rms_norm", "rms_norm", "rms_norm_add"), (1, 2, 3, 16, 17), (torch.bfloat16, torch.float16),
+        (0, 1, 8), ("llama", "gemma"), (True, False), (False, True)))
+    for op, rows, dtype, offset, mode, weight, grad in combinations:
+        call = _forward_call(op, rows, dtype, offset, mode, weight, grad=grad)
+        with torch.set_grad_enabled(grad):
+            call()
+            call()
+    assert kernel.cached_launches >= len(combinations)  # every second call at least
+    assert kernel.compilations < len(combinations)  # specialisations shared by several calls were compiled once
+
+
+@pytest.mark.parametrize("before, after, specialises", [
+    ({}, {"offset": 1}, True),
+    ({}, {"offset": 8}, False),  # 16 bytes in: still aligned
+    ({"rows": 1}, {"rows": 2}, True),  # 1 is a constant
+    ({"rows": 2}, {"rows": 3}, False),
+    ({"rows": 16}, {"rows": 17}, True),  # divisible by 16, or not
+    ({"rows": 16}, {"rows": 32}, False),
+    ({}, {"dtype": torch.float16}, True),
+    ({}, {"mode": "gemma"}, True),  # a constexpr (the weight's offset)
+    ({}, {"weight": False}, True),  # a None pointer and a constexpr
+    ({}, {"op": "rms_norm"}, True),  # no residual: None pointers and constexprs
+    ({}, {"grad": True}, True),  # the statistics are stored: a pointer and a constexpr
+    ({}, {"eps": 1e-5}, False),  # floats are not specialised
+], ids=lambda value: repr(value) if isinstance(value, dict) else None)
+def test_the_key_tells_apart_every_change_triton_specialises_on(monkeypatch, before, after, specialises):
+    """A call that changes what Triton specialises on misses the launcher's cache (and compiles, through
+    Triton's own path); one that changes nothing Triton sees runs the cached binary."""
+    kernel = stand_in_forward_kernel(monkeypatch)
+    grad = after.get("grad", False)
+    first, second = _forward_call(**before), _forward_call(**{**before, **after})
+    with torch.set_grad_enabled(grad):
+        first()
+        compiled = kernel.compilations
+        second()
+    assert (kernel.compilations > compiled) == specialises
+
+
+def test_a_launch_whose_first_argument_is_absent_runs_on_the_first_tensors_device():
+    """A norm with a bias and no weight launches its weight-gradient reduction with no weight partials (the first
+    argument None): the launch takes the device of the first tensor given, and the bias gradient of a sum is
+    the row count, exactly."""
+    rows = 3
+    x = torch.randn(rows, HIDDEN, device=DEVICE, requires_grad=True)
+    bias = torch.randn(HIDDEN, device=DEVICE, requires_grad=True)
+    rms_norm(x, None, bias=bias).sum().backward()
+    assert torch.equal(bias.grad, torch.full_like(bias, rows))

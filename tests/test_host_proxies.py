@@ -1,17 +1,22 @@
-"""CPU proxies of the GPU costs that hold on any machine: what one fused call allocates on the host, and how many
-bytes the patched norms keep for the backward. (Launches per decoder layer: test_patcher.test_dispatch_counts.)"""
+"""CPU proxies of the GPU costs that hold on any machine: what one fused call allocates on the host, its host time
+up to the kernel's launch against an aten add's, and how many bytes the patched norms keep for the backward.
+(Launches per decoder layer: test_patcher.test_dispatch_counts.)"""
 
 from __future__ import annotations
 
 import collections
+import statistics
+import time
 
 import pytest
 import torch
 from patch_models import input_ids, tiny_model
+from test_fast_launch import stand_in_forward_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_rmsnorm import fused_add_rms_norm, patch_model, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import launch
+from hf_rmsnorm.ops.backend import kernels_interpreted
 
 
 ROWS, HIDDEN = 3, 64
@@ -69,6 +74,48 @@ def test_with_autograd_the_statistics_are_allocated_for_the_backward(monkeypatch
     ops, launches = _host_ops(monkeypatch, lambda: fused_add_rms_norm(x, residual, weight), grad=True)
     assert launches == 1
     assert sum(ops[name] for name in ALLOCATING_OPS) == 3  # y, the sum and the per-row rstd
+
+
+# The host-time proxy: a decode call (one row; 64 columns keep the add's arithmetic negligible against its host
+# overhead, as a GPU's add runs asynchronously), timed over CALLS_PER_TIMING calls against as many adds, in ROUNDS
+# interleaved rounds. The timings are short (about 0.1 ms) so that most rounds run undisturbed on a shared host:
+# long ones are preempted now and then, and the fused call's, 8 times the add's, far more often than the add's.
+DECODE_ROWS = 1
+CALLS_PER_TIMING, ROUNDS = 10, 1001
+# The budget of a fused call's host time up to the kernel's launch, in aten adds on the same tensors: its two
+# output allocations (aten ops cheaper than an add, which allocates its output too) and Python for the rest (the
+# argument checks, the plan lookup, the launcher's key, the launch's argument tuple): about 900 bytecodes, 30
+# Python calls and 20 calls into C, some 6 adds' time on a 2-core CPU host with CPython 3.11 (8 adds in all
+# there). The path it replaced, with one key per argument, ran 1200 bytecodes, 60 Python calls and 33 calls into
+# C: 14 adds there. The budget leaves a quarter for hosts whose Python is slower against torch's dispatch.
+FUSED_CALL_MAX_ADDS = 10
+def _median_ratio(call, reference) -> float:
+    """The median over ROUNDS of ``call``'s host time over ``reference``'s, the two timed back to back in each
+    round, so that a slow spell of a shared host slows both of a ratio's timings alike."""
+
+    def seconds(fn) -> float:
+        start = time.perf_counter()
+        for _ in range(CALLS_PER_TIMING):
+            fn()
+        return time.perf_counter() - start
+
+    return statistics.median([seconds(call) / seconds(reference) for _ in range(ROUNDS)])
+
+
+@pytest.mark.skipif(not kernels_interpreted(), reason="a CPU proxy; on a GPU host the benchmarks' launch-cost "
+                    "lines measure the call itself")
+def test_a_fused_decode_call_costs_a_few_aten_adds_of_host_time(monkeypatch):
+    """On a GPU host a decode call is bound by host time; here the whole path up to the compiled kernel's launch
+    runs (the launch itself stubbed: ``stand_in_forward_kernel``), against ``torch.add`` on the same tensors."""
+    kernel = stand_in_forward_kernel(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(DECODE_ROWS, HIDDEN, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    weight = torch.randn(HIDDEN, generator=g, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ratio = _median_ratio(lambda: fused_add_rms_norm(x, residual, weight), lambda: torch.add(x, residual))
+    print(f"\nfused_add_rms_norm decode call, launch stubbed, CPU host: {ratio:.2f}x one aten add's host time")
+    assert kernel.cached_launches >= ROUNDS * CALLS_PER_TIMING - 1  # the cached path ran, not Triton's own
+    assert ratio <= FUSED_CALL_MAX_ADDS
 
 
 class _SavedBytes:

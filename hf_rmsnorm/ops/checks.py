@@ -56,15 +56,16 @@ def check_forward(
     # Errors name the public function, also when its custom op was called (or traced) directly.
     op = "rms_norm" if residual is None else "fused_add_rms_norm"
     _check_dtypes_and_devices(op, _FORWARD_NAMES, (x, residual, weight, bias))
-    if x.dim() == 0:
+    shape = x.shape  # read once: each read builds a torch.Size
+    if not shape:
         raise ValueError(f"{op}: x is 0-dimensional; x must have at least 1 dimension (the normalised one)")
-    n_cols = x.shape[-1]
+    n_cols = shape[-1]
     # Comparing whole shapes with a 1-tuple also rejects a 2-D weight whose first dimension happens to match.
     if weight is not None and weight.shape != (n_cols,):
         raise _row_vector_error(op, "weight", weight, "x", n_cols)
     if bias is not None and bias.shape != (n_cols,):
         raise _row_vector_error(op, "bias", bias, "x", n_cols)
-    if residual is not None and residual.shape != x.shape:
+    if residual is not None and residual.shape != shape:
         raise _same_shape_error(op, "residual", residual, "x", x)
     # One chained comparison rejects NaN, inf and negatives; math.isfinite cannot be traced by torch.compile,
     # which may hand eps over as a symbolic float.
@@ -113,13 +114,14 @@ def check_backward(
 def _check_dtypes_and_devices(op: str, names: tuple[str, ...], tensors: tuple[torch.Tensor | None, ...]) -> None:
     """Every tensor given (``None`` is an absent optional one) has a dtype the norms take and is on the first
     tensor's device."""
-    device = tensors[0].device
+    first = tensors[0]
+    device = first.device
     for name, t in zip(names, tensors):
         if t is None:
             continue
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; the norms take {_FLOAT_NAMES}")
-        if t.device != device:
+        if t is not first and t.device != device:
             raise ValueError(
                 f"{op}: {name} is on {t.device} but {names[0]} is on {device}; all tensors must be on one device"
             )

@@ -1,7 +1,8 @@
 """Host side of the Triton kernels: block-size heuristics, output allocation and launches.
 
 Kept lean because decode calls these with a handful of rows, where host time is the whole cost: the
-heuristics are cached per (width, dtype size) and nothing is autotuned.
+heuristics are cached per (width, dtype size, GPU architecture) and nothing is autotuned at run time (a GPU
+sweep's winners are data: ``tuning.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
-from .fast_launch import CachedLauncher
+from .fast_launch import CachedLauncher, all_aligned, int_class
 from .kernels import norm_bwd_kernel, norm_fwd_kernel, sum_partials_kernel
 from .modes import Mode, dtype_of, get_mode, sum_dtype
+from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
 # The backward keeps about four fp32 values live per element across a row's reduction (the weight, its gradient's
@@ -69,25 +71,40 @@ def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
     return block_m, block_n, True, num_warps
 
 
-class BackwardPlan(NamedTuple):
-    """How the backward is tiled and launched for one width and activation dtype (``backward_plan``)."""
+class TilingPlan(NamedTuple):
+    """How a kernel is tiled and launched for one width, activation element size and GPU architecture
+    (``forward_plan``, ``backward_plan``)."""
 
     block_m: int
     block_n: int
     single_tile: bool
     num_warps: int
-    num_stages: int  # row blocks in flight in the pipelined row loop; 1: not pipelined
-    programs_per_sm: int
+    num_stages: int  # row blocks in flight in the backward's pipelined row loop; 1: not pipelined
+    programs_per_sm: int | None  # the backward's persistent grid; None: one program per row block (the forward)
 
 
+@reads_tuned_plans
 @functools.lru_cache(maxsize=None)
-def backward_plan(n_cols: int, elem_bytes: int) -> BackwardPlan:
+def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
+    """The forward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the wider of ``x`` and the
+    residual) on ``arch`` (``tuning.device_arch``; None on the CPU): ``tile_config``'s, with the tuned table's
+    entry for ``arch`` applied where it has one. Rows up to ``FWD_MAX_TILE_N`` are one tile."""
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
+    default = TilingPlan(block_m, block_n, single_tile, num_warps, 1, None)
+    return tuned(default, PlanKey(arch, "forward", elem_bytes, width_bucket(n_cols, FWD_MAX_TILE_N)))
+
+
+@reads_tuned_plans
+@functools.lru_cache(maxsize=None)
+def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
     """The backward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the widest of the loaded
-    activations: ``dy``, the norm's input, ``dsum``). Rows up to ``BWD_MAX_TILE_N`` are one tile, pipelined over
-    row blocks; wider rows take the looped kernel (columns in blocks of ``LOOP_BLOCK_N``, no pipelining)."""
+    activations: ``dy``, the norm's input, ``dsum``) on ``arch``, with the tuned table's entry applied as in
+    ``forward_plan``. Rows up to ``BWD_MAX_TILE_N`` are one tile, pipelined over row blocks; wider rows take the
+    looped kernel (columns in blocks of ``LOOP_BLOCK_N``, no pipelining)."""
+    key = PlanKey(arch, "backward", elem_bytes, width_bucket(n_cols, BWD_MAX_TILE_N))
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
     if not single_tile:
-        return BackwardPlan(block_m, block_n, False, num_warps, 1, BWD_MAX_PROGRAMS_PER_SM)
+        return tuned(TilingPlan(block_m, block_n, False, num_warps, 1, BWD_MAX_PROGRAMS_PER_SM), key)
     num_warps = BWD_SINGLE_TILE_WARPS
     stage_bytes = BWD_LOADED_TENSORS * block_m * block_n * elem_bytes
     num_stages = max(1, min(BWD_MAX_STAGES, BWD_PIPELINE_SMEM_BYTES // stage_bytes))
@@ -95,7 +112,7 @@ def backward_plan(n_cols: int, elem_bytes: int) -> BackwardPlan:
     programs_per_sm = min(BWD_MAX_PROGRAMS_PER_SM,
                           REGISTERS_PER_SM // (num_warps * 32 * BWD_REGISTERS_PER_THREAD),
                           SMEM_PER_SM_BYTES // staged_bytes if staged_bytes else BWD_MAX_PROGRAMS_PER_SM)
-    return BackwardPlan(block_m, block_n, True, num_warps, num_stages, max(1, programs_per_sm))
+    return tuned(TilingPlan(block_m, block_n, True, num_warps, num_stages, max(1, programs_per_sm)), key)
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -107,18 +124,28 @@ def is_traced(t: torch.Tensor) -> bool:
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, sum_partials_kernel)}
 
 
-def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int) -> None:
+def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
+            varying: tuple = ()) -> None:
     """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``; one of the kernels runs on the first tensor's
-    GPU through its ``CachedLauncher``. Anything else is launched as it is: above all the caller's
-    ``wrap_triton(<kernel>)`` while a graph is traced (``is_traced``), which records the launch in the graph for
-    inductor to make from its own code. The callers spell that call out with the kernel's name: torch finds a
-    Triton op's kernels, which its compile caches key on, by reading the op's source for such calls."""
+    GPU through its ``CachedLauncher`` (looked up by ``plan`` and ``varying`` where given: see there). Anything
+    else is launched as it is: above all the caller's ``wrap_triton(<kernel>)`` while a graph is traced
+    (``is_traced``), which records the launch in the graph for inductor to make from its own code. The callers
+    spell that call out with the kernel's name: torch finds a Triton op's kernels, which its compile caches key on,
+    by reading the op's source for such calls."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
         return
-    with _on_device(args[0]):
-        launcher(grid, args, constexprs, num_warps)
+    # Triton launches on the current GPU: switch to the first tensor's own (models split across GPUs) only when
+    # it is another one. A CPU tensor (the interpreter) has device -1. The first argument is a tensor but where
+    # an optional one is absent (the weight-gradient reduction of a norm with a bias and no weight).
+    first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
+    device = first.get_device()
+    if device < 0 or device == torch.cuda.current_device():
+        launcher(grid, device, args, constexprs, num_warps, plan, varying)
+        return
+    with torch.cuda.device(device):
+        launcher(grid, device, args, constexprs, num_warps, plan, varying)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -143,30 +170,11 @@ def _as_rows(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
 
 
 def _new_rows(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # empty_like is about twice as cheap on the host as torch.empty(shape, dtype=, device=).
+    # empty_like is about twice as cheap on the host as torch.empty(shape, dtype=, device=), and a quarter cheaper
+    # again without keyword arguments: enough for a contiguous tensor of the same dtype, whose layout it keeps.
+    if like.dtype == dtype and like.is_contiguous():
+        return torch.empty_like(like)
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
-
-
-class _on_device:
-    """Launches on the tensor's own GPU (models split across GPUs) without a context switch when it is
-    already the current one."""
-
-    __slots__ = ("guard",)
-
-    def __init__(self, t: torch.Tensor):
-        index = t.device.index
-        self.guard = (
-            torch.cuda.device(index) if t.is_cuda and index is not None and index != torch.cuda.current_device()
-            else None
-        )
-
-    def __enter__(self):
-        if self.guard is not None:
-            self.guard.__enter__()
-
-    def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
 
 
 class _ForwardPlan(NamedTuple):
@@ -180,22 +188,24 @@ class _ForwardPlan(NamedTuple):
     constexprs: dict
 
 
+@reads_tuned_plans
 @functools.lru_cache(maxsize=None)
 def _forward_plan(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                   bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool,
-                  store_stats: bool) -> _ForwardPlan:
-    """The forward's dtypes, tiling and kernel flags for one combination of argument dtypes, width and flags.
-    A pure function of its arguments, cached because decode repeats a handful of combinations and is host-bound:
-    computing them costs several microseconds, looking them up a fraction of one."""
+                  store_stats: bool, arch: str | None) -> _ForwardPlan:
+    """The forward's dtypes, tiling and kernel flags for one combination of argument dtypes, width, flags and
+    GPU architecture. A pure function of its arguments, cached because decode repeats a handful of combinations
+    and is host-bound: computing them costs several microseconds, looking them up a fraction of one."""
     m = get_mode(mode)
     norm_dtype = sum_dtype(x_dtype, residual_dtype)
-    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
+    # The sum's dtype is the wider of x's and the residual's: the widest activation the forward loads.
+    tiling = forward_plan(n_cols, norm_dtype.itemsize, arch)
     constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                       HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
-                      BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_TILE=single_tile, ADD_AFTER=add_after,
-                      STORE_STATS=store_stats)
-    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, block_m,
-                        num_warps, constexprs)
+                      BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
+                      ADD_AFTER=add_after, STORE_STATS=store_stats)
+    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, tiling.block_m,
+                        tiling.num_warps, constexprs)
 
 
 def norm_forward(
@@ -217,7 +227,7 @@ def norm_forward(
     # a compiled graph is specialised on it (and recompiled for another width); the rows may stay symbolic.
     n_cols = int(shape[-1])
     plan = _forward_plan(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
-                         residual_after is not None, store_stats)
+                         residual_after is not None, store_stats, device_arch(x.get_device()))
     y = _new_rows(x, plan.y_dtype)
     new_residual = None if residual is None else _new_rows(x, plan.norm_dtype)
     stats = (torch.empty(plan.mode.stats_shape(shape), dtype=torch.float32, device=x.device) if store_stats
@@ -236,15 +246,19 @@ def norm_forward(
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
-    _launch(
-        wrap_triton(norm_fwd_kernel) if is_traced(x) else norm_fwd_kernel, _cdiv(n_rows, plan.block_m),
-        (x2, r2, weight, bias, y, new_residual, stats,
-         n_rows, n_cols,
-         stride_x, stride_r, n_cols, n_cols,
-         eps),
-        plan.constexprs,
-        plan.num_warps,
-    )
+    grid = _cdiv(n_rows, plan.block_m)
+    args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
+    if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
+        _launch(wrap_triton(norm_fwd_kernel), grid, args, plan.constexprs, plan.num_warps)
+        return y, new_residual, stats
+    # The launcher's key by plan: the plan fixes every dtype (residual_after's is the norm's output dtype, which
+    # the key checks all the same), which pointers are None, n_cols, the constexprs and num_warps; per call there
+    # remain the pointers' alignment and eps's type (unaligned pointers and an eps other than a float, which the
+    # public ops pass and Triton never specialises, take the key by arguments), the row count's class and the
+    # input row strides, exact (a model repeats a few).
+    by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats)
+    _launch(norm_fwd_kernel, grid, args, plan.constexprs, plan.num_warps, plan if by_plan else None,
+            (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)))
     return y, new_residual, stats
 
 
@@ -269,7 +283,7 @@ def norm_backward(
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
     n_rows = norm_input.numel() // n_cols if n_cols else 0
     elem_bytes = max(t.element_size() for t in (dy, norm_input, dsum) if t is not None)
-    plan = backward_plan(n_cols, elem_bytes)
+    plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()))
     n_row_blocks = _cdiv(n_rows, plan.block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = None if weight is None else torch.zeros_like(weight)

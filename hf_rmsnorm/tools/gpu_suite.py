@@ -9,7 +9,8 @@ short by the overall limit still brings back the figures that matter most. Every
 * ``summary.md``: the figures as Markdown tables, ready for ``BENCHMARKS.md``;
 * ``results.json``: every section's status, time, command and the JSON its script wrote;
 * ``log.txt``: every section's full output;
-* ``kernels.png``: achieved bandwidth against hidden size (when matplotlib is installed and kernels were timed).
+* ``kernels.png``: achieved bandwidth against hidden size (when matplotlib is installed and kernels were timed);
+* ``tuned_plans.json``: the ``tune`` section's table, to copy over ``hf_rmsnorm/ops/tuned_plans.json`` and commit.
 
 ``--dry-run`` runs every section at toy sizes, on the CPU when there is no GPU (the kernel benchmark then runs
 its harness with the kernels in Triton's interpreter and plain calls for CUDA graphs), so the plumbing is tested
@@ -117,6 +118,12 @@ SECTIONS: tuple[Section, ...] = (
            "bf16", "4096 16384", "2048 4096 8192 16384 65536", BASELINES, "fwd bwd"),
     _bench("kernels-decode", "fused add + RMSNorm, decode rows 1-64 (CUDA graph replay), host time by launch path", 75,
            "bf16", "1 16 64", "2048 4096 8192", BASELINES, "fwd"),
+    Section("tune", "tiling-plan sweep per width bucket, bf16 and fp32, forward and backward: the winners as "
+            "tuned_plans.json, ready to commit", 150,
+            ("{py}", "scripts/tune_kernels.py", "--time-limit", "120", "--json", "{work}/tuned_plans.json"),
+            ("{py}", "scripts/tune_kernels.py", "--dry-run", "--warmup", "0", "--repeats", "1", "--json",
+             "{work}/tuned_plans.json"),
+            ("tuned_plans.json",)),
     _generate("generate-1b", "generate(), llama-3.2-1b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 120,
               "llama-3.2-1b-shape"),
     Section("profile", "where the time goes: a 4096 x 2048 norm forward + backward, then generate() unpatched and "

@@ -26,6 +26,9 @@ LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other, and
 # optionally "<pair>-norm-free" (the oracle: the most any norm kernel could save).
 TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
+# Sections whose JSON is a file of the checkout, copied into the output folder as written, ready to commit:
+# "tune" writes tuned_plans.json (hf_rmsnorm/ops/tuned_plans.json).
+COMMITTED_SECTIONS = ("tune",)
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -172,7 +175,7 @@ def write_plot(out: Path, outcomes: list[Outcome]) -> None:
 
 
 def write_files(out: Path, outcomes: list[Outcome], toy: bool) -> None:
-    """summary.md, results.json, log.txt and kernels.png in ``out``."""
+    """summary.md, results.json, log.txt, kernels.png and the JSON files of ``COMMITTED_SECTIONS`` in ``out``."""
     (out / "summary.md").write_text(summary(outcomes, toy) + "\n")
     (out / "results.json").write_text(json.dumps(
         {"dry_run": toy, "sections": [{k: v for k, v in dataclasses.asdict(o).items() if k != "output"}
@@ -180,3 +183,7 @@ def write_files(out: Path, outcomes: list[Outcome], toy: bool) -> None:
     (out / "log.txt").write_text("".join(
         f"===== {o.name}: {o.status} in {o.seconds:.0f} s\n$ {o.command}\n{o.output}\n" for o in outcomes))
     write_plot(out, outcomes)
+    for o in outcomes:
+        if o.name in COMMITTED_SECTIONS:
+            for name, data in o.data.items():
+                (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")

@@ -157,10 +157,11 @@ class _LaunchRecorder:
 
 
 def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
-                   sm_count: int) -> tuple[Any, tuple, dict]:
+                   sm_count: int, arch: str | None = None) -> tuple[Any, tuple, dict]:
     """Runs launch.py's host code for ``variant`` on meta tensors and returns ``(kernel, args, kwargs)`` of the
     launch it makes. A backward variant runs its forward first, so it gets the saved tensors launch.py makes.
-    Weights have the activations' dtype, as in a model loaded in that dtype."""
+    Weights have the activations' dtype, as in a model loaded in that dtype. The tiling is the plan for GPU
+    architecture ``arch`` (its tuned-plan table entry, if any; None: the defaults)."""
     import torch
 
     from ..ops import launch
@@ -178,6 +179,7 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
         mock.patch.object(launch, "norm_bwd_kernel", bwd),
         mock.patch.object(launch, "sum_partials_kernel", wgrad_sum),
         mock.patch.object(launch, "_sm_count", lambda _index: sm_count),
+        mock.patch.object(launch, "device_arch", lambda _index: arch),
     ):
         x = tensor()
         y, new_residual, stats = launch.norm_forward(x, residual, weight, bias, 1e-6, mode,
@@ -217,7 +219,7 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
     from triton.backends.compiler import GPUTarget
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    kernel, args, kwargs = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch])
+    kernel, args, kwargs = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch], arch)
     compiled = compile_launch(kernel, args, kwargs, GPUTarget("cuda", int(arch.removeprefix("sm_")), 32))
     measured = analyse_cubin(compiled.asm["cubin"], *tools)
     # cuobjdump sees the static shared memory only; Triton's own figure includes the dynamic allocation it
