@@ -445,17 +445,19 @@ def test_weight_gradient_is_deterministic():
 @pytest.mark.parametrize("n_cols", [1, 127, 4095, 4096, 8191, 8192, 8193, 12289, 16383, 16384, 16385, 65536])
 @pytest.mark.parametrize("elem_bytes", [2, 4])
 def test_backward_plan_at_every_threshold(n_cols, elem_bytes):
-    """One tile per row up to BWD_MAX_TILE_N, pipelined where its staging buffers fit; the looped kernel above."""
+    """One tile per row up to bwd_max_tile_n (16384 bf16 elements, 8192 fp32 ones); the two wide kernels over
+    column blocks above. Either row loop is pipelined where its staging buffers fit."""
     plan = launch.backward_plan(n_cols, elem_bytes)
-    assert plan.single_tile == (n_cols <= launch.BWD_MAX_TILE_N)
+    assert launch.bwd_max_tile_n(elem_bytes) == {2: 16384, 4: 8192}[elem_bytes]
+    assert plan.single_tile == (n_cols <= launch.bwd_max_tile_n(elem_bytes))
     assert 1 <= plan.programs_per_sm <= launch.BWD_MAX_PROGRAMS_PER_SM and 4 <= plan.num_warps <= 16
     if plan.single_tile:
         assert plan.block_n >= n_cols
         assert plan.block_m * plan.block_n <= max(launch.TARGET_TILE_ELEMENTS, plan.block_n)
-        staged = launch.BWD_LOADED_TENSORS * plan.block_m * plan.block_n * elem_bytes * plan.num_stages
-        assert plan.num_stages == 1 or staged <= launch.BWD_PIPELINE_SMEM_BYTES
     else:
-        assert (plan.block_m, plan.block_n, plan.num_stages) == (1, launch.LOOP_BLOCK_N, 1)
+        assert (plan.block_m, plan.block_n) == (1, launch.LOOP_BLOCK_N) and plan.num_stages > 1
+    staged = launch.BWD_LOADED_TENSORS * plan.block_m * plan.block_n * elem_bytes * plan.num_stages
+    assert plan.num_stages == 1 or staged <= launch.BWD_PIPELINE_SMEM_BYTES
     if elem_bytes == 2 and n_cols <= 8192:  # bf16/fp16 rows up to 8192 are pipelined
         assert plan.num_stages > 1
 

@@ -20,6 +20,7 @@ from hf_rmsnorm.ops import functional, launch
 
 TRACE_SCRIPT = Path(__file__).with_name("trace_compiled_ops.py")
 FWD, BWD, SUM = "norm_fwd_kernel", "norm_bwd_kernel", "sum_partials_kernel"
+ROW_DOT, COLUMN_BWD = "row_dot_kernel", "column_bwd_kernel"  # the backward of rows wider than one tile
 # The backward's second launch adds the programs' weight-gradient partial rows up and casts to the weight's dtype.
 SUM_LAUNCH = (SUM, ["DW"])
 
@@ -99,7 +100,7 @@ def test_torch_finds_the_kernels_of_each_triton_op(traced):
     code: a kernel it missed would let a cache compiled with an older kernel be reused."""
     assert traced["kernels_of_ops"] == {
         "rms_norm_fwd_triton": [FWD], "add_rms_norm_fwd_triton": [FWD], "rms_norm_add_fwd_triton": [FWD],
-        "rms_norm_bwd_triton": [BWD, SUM],
+        "rms_norm_bwd_triton": [BWD, ROW_DOT, COLUMN_BWD, SUM],
     }
 
 

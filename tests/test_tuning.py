@@ -57,7 +57,7 @@ def test_widths_at_every_threshold_of_the_plan(kernel, elem_bytes):
     sides of every bucket boundary (``b // 2`` and ``b // 2 + 1``, ``b`` and ``b + 1``) cover every threshold
     it has; every row past the last bucket takes the looped kernel with the last bucket's plan."""
     plan = kernel_tuning.plan_function(kernel)
-    max_tile_n = launch.FWD_MAX_TILE_N if kernel == "forward" else launch.BWD_MAX_TILE_N
+    max_tile_n = (launch.fwd_max_tile_n if kernel == "forward" else launch.bwd_max_tile_n)(elem_bytes)
     widths = kernel_tuning.plan_widths(kernel, elem_bytes)
     assert widths[-1] == 2 * max_tile_n and widths == [2**k for k in range(len(widths))]
     for b in widths:
@@ -69,7 +69,7 @@ def test_widths_at_every_threshold_of_the_plan(kernel, elem_bytes):
                 assert p.block_n == tuning.width_bucket(n_cols, max_tile_n) >= n_cols
                 assert p.block_m * p.block_n <= max(launch.TARGET_TILE_ELEMENTS, p.block_n)
             else:
-                assert (p.block_m, p.block_n, p.num_stages) == (1, launch.LOOP_BLOCK_N, 1)
+                assert (p.block_m, p.block_n) == (1, launch.LOOP_BLOCK_N)
             assert (p.programs_per_sm is None) == (kernel == "forward")
         if b > 1:
             assert plan(b // 2 + 1, elem_bytes) == plan(b, elem_bytes)

@@ -5,7 +5,10 @@ times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``resi
 element in bf16) plus one fp32 ``rstd`` per row; the backward reads ``dy``, the saved sum and the incoming
 gradient of the sum once and writes the input gradient once. Its weight (and bias) gradient is summed over all
 of a program's rows in fp32 registers and written once per program; ``sum_partials_kernel`` then adds the
-programs' rows up in a fixed order.
+programs' rows up in a fixed order. Rows wider than one tile take two kernels: ``row_dot_kernel`` reduces each
+row (reading ``dy`` and the norm's input), then ``column_bwd_kernel`` makes the input gradient and the weight
+gradient's partial sums column block by column block (reading them again, with ``dsum``): 12 bytes per bf16
+element against the minimum's 8, with no partial sum read back.
 
 Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK_M`` rows, so narrow rows
 (``head_dim`` 128 for Qwen3's q/k norms) still give each program enough work. Wider rows loop over column
@@ -29,26 +32,37 @@ import triton.language as tl
 
 @triton.jit
 def _load_norm_input(
-    X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum, HAS_RESIDUAL: tl.constexpr
+    X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum, HAS_RESIDUAL: tl.constexpr,
+    READ_AGAIN: tl.constexpr = False,
 ):
     """Loads one tile of the norm's input in fp32; with a residual, writes ``residual + x`` rounded to the
-    sum's dtype (exactly as ``residual + x`` rounds in torch) and returns that rounded value."""
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sum's dtype (exactly as ``residual + x`` rounds in torch) and returns that rounded value. ``READ_AGAIN``
+    (the looped forward's first pass): the norm's input (the sum, or ``x``) is read back by the later passes, so
+    it is kept in L2 ahead of what is not (the residual and, with one, ``x``)."""
+    x_policy: tl.constexpr = "evict_first" if READ_AGAIN and HAS_RESIDUAL else ("evict_last" if READ_AGAIN else "")
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=x_policy).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first" if READ_AGAIN else "")
         s = (x + r.to(tl.float32)).to(SUM_OUT.dtype.element_ty)
-        tl.store(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], s, mask=mask)
+        tl.store(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], s, mask=mask,
+                 eviction_policy="evict_last" if READ_AGAIN else "")
         x = s.to(tl.float32)
     return x
 
 
 @triton.jit
-def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL: tl.constexpr):
-    """Re-reads a tile of the norm's input (the residual sum this program wrote, or ``x``) in fp32."""
+def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL: tl.constexpr,
+               LAST_READ: tl.constexpr):
+    """Re-reads a tile of the norm's input (the residual sum this program wrote, or ``x``) in fp32; after its
+    ``LAST_READ`` it may leave L2 first."""
+    policy: tl.constexpr = "evict_first" if LAST_READ else "evict_last"
     if HAS_RESIDUAL:
-        s = tl.load(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], mask=mask, other=0.0)
+        s = tl.load(SUM_OUT + rows[:, None] * stride_sum + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy=policy)
     else:
-        s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        s = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=policy)
     return s.to(tl.float32)
 
 
@@ -135,7 +149,7 @@ def norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
             s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
-                                   HAS_RESIDUAL)
+                                   HAS_RESIDUAL, READ_AGAIN=True)
             if CENTER:
                 acc += s
             else:
@@ -151,7 +165,7 @@ def norm_fwd_kernel(
             for start in range(0, n_cols, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = row_mask[:, None] & (cols < n_cols)[None, :]
-                s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL)
+                s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
                 s = tl.where(mask, s - mean[:, None], 0.0)
                 deviation += s
                 acc += s * s
@@ -165,7 +179,7 @@ def norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < n_cols
             mask = row_mask[:, None] & col_mask[None, :]
-            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL)
+            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
             if CENTER:
                 s = s - mean[:, None]
             _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
@@ -235,112 +249,142 @@ def norm_bwd_kernel(
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """A persistent grid: program ``p`` of ``P`` handles row blocks ``p, p + P, p + 2P, ...`` and writes its
-    own fp32 partial sums of the weight (and bias) gradient, over all its rows, into row ``p`` of
-    ``DW_PARTIAL`` (``DB_PARTIAL``); ``sum_partials_kernel`` then adds those rows up. No atomics, so the
-    result is deterministic, and a program with no rows still writes its zeros.
+    """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
+    ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
+    rows, into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); ``sum_partials_kernel`` then adds those rows up. No
+    atomics, so the result is deterministic, and a program with no rows still writes its zeros.
 
-    Rows that fit in one tile (``SINGLE_TILE``) are pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes
-    the compiler prefetch the next row blocks' loads into shared memory (asynchronous copies on sm_80 and later)
-    while the current block is computed; the weight is loaded once, outside the loop. Their programs stride over
-    the row blocks rather than take a contiguous range each: the programs' row counts then differ by at most one
-    block (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read
-    neighbouring rows. Wider rows take the looped variant below, with a contiguous range per program."""
+    The row loop is pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes the compiler prefetch the next row
+    blocks' loads into shared memory (asynchronous copies on sm_80 and later) while the current block is
+    computed; the weight is loaded once, outside the loop. Programs stride over the row blocks rather than take a
+    contiguous range each: the programs' row counts then differ by at most one block (ranges of
+    ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring rows. Wider
+    rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     partial_row = pid.to(tl.int64) * n_cols
-    if SINGLE_TILE:
-        cols = tl.arange(0, BLOCK_N)
-        col_mask = cols < n_cols
-        w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
-        dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for block in tl.range(pid, n_row_blocks, n_programs, num_stages=NUM_STAGES):
-            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < n_rows
-            mask = row_mask[:, None] & col_mask[None, :]
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            if CENTER:
-                mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
-            else:
-                mean = rstd  # not read without CENTER
-            dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
-                                                    HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-            dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
-            if CENTER:
-                dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
-            dx = dx * rstd[:, None]
-            _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-                              HAS_DSUM, HAS_DRES)
-            if HAS_WEIGHT:
-                dw_acc += dy * n_weighted
-            if HAS_BIAS:
-                db_acc += dy
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for block in tl.range(pid, n_row_blocks, n_programs, num_stages=NUM_STAGES):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if CENTER:
+            mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+        else:
+            mean = rstd  # not read without CENTER
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
+        if CENTER:
+            dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
+        dx = dx * rstd[:, None]
+        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+                          HAS_DSUM, HAS_DRES)
         if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            dw_acc += dy * n_weighted
         if HAS_BIAS:
-            tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+            db_acc += dy
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def row_dot_kernel(
+    DY, S, RSTD, W, C,
+    n_rows, n_cols,
+    stride_dy, stride_s,
+    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The wide backward's first kernel: for ``BLOCK_M`` rows, the row reductions every column of the input
+    gradient needs, ``c = mean(g * n)`` into ``C[rows]`` and, when ``CENTER``, ``mean(g)`` into
+    ``C[n_rows + rows]`` (``g = dy * w``, ``n`` the normalised row). It reads ``dy`` and the norm's input once;
+    ``column_bwd_kernel`` then makes the input gradient and the weight gradient in one more pass. The column
+    blocks are summed in the same order as the single-kernel loop's, so ``c`` is the same to the bit."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < n_rows
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if CENTER:
+        mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
     else:
-        # Wide rows: the partial sums live in this program's own row of DW_PARTIAL (read-modify-write by
-        # the same threads, no other program touches it), so they start at zero.
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n_cols
-            zeros = tl.zeros([BLOCK_N], dtype=tl.float32)
-            if HAS_WEIGHT:
-                tl.store(DW_PARTIAL + partial_row + cols, zeros, mask=col_mask)
-            if HAS_BIAS:
-                tl.store(DB_PARTIAL + partial_row + cols, zeros, mask=col_mask)
-        # Loads and stores of the partials may map columns to threads differently: order them.
-        tl.debug_barrier()
-        # A contiguous range of row blocks per program here, as before the single tile was pipelined: striding
-        # made ptxas spill 8-40 bytes in this variant at odd widths (sm_80 and sm_90, Triton 3.6 and 3.9).
-        blocks_per_program = tl.cdiv(n_row_blocks, n_programs)
-        first_block = pid * blocks_per_program
-        for block in range(first_block, tl.minimum(first_block + blocks_per_program, n_row_blocks)):
-            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < n_rows
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            if CENTER:
-                mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
-            else:
-                mean = rstd  # not read without CENTER
-            dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            g_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy,
-                                                        stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-                dot += g * n
-                if CENTER:
-                    g_sum += g
-            c = tl.sum(dot, axis=1) / n_cols
-            g_mean = tl.sum(g_sum, axis=1) / n_cols
-            for start in range(0, n_cols, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < n_cols
-                mask = row_mask[:, None] & col_mask[None, :]
-                w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
-                dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy,
-                                                        stride_s, HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-                dx = g - n * c[:, None]
-                if CENTER:
-                    dx -= g_mean[:, None]
-                dx = dx * rstd[:, None]
-                _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-                                  HAS_DSUM, HAS_DRES)
-                if HAS_WEIGHT:
-                    dw = tl.load(DW_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
-                    tl.store(DW_PARTIAL + partial_row + cols, dw + tl.sum(dy * n_weighted, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db = tl.load(DB_PARTIAL + partial_row + cols, mask=col_mask, other=0.0)
-                    tl.store(DB_PARTIAL + partial_row + cols, db + tl.sum(dy, axis=0), mask=col_mask)
-            tl.debug_barrier()
+        mean = rstd  # not read without CENTER
+    dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    g_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dot += g * n
+        if CENTER:
+            g_sum += g
+    tl.store(C + rows, tl.sum(dot, axis=1) / n_cols, mask=row_mask)
+    if CENTER:
+        tl.store(C + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
+
+
+@triton.jit
+def column_bwd_kernel(
+    DY, DSUM, S, RSTD, C, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, n_col_blocks, rows_per_group,
+    stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """The wide backward's second kernel: program ``p`` owns column block ``p % n_col_blocks`` of the row group
+    ``p // n_col_blocks`` (``rows_per_group`` rows, a multiple of ``BLOCK_M``). It makes the input gradient of
+    its tile from ``row_dot_kernel``'s reductions, reading ``dy``, the norm's input and ``dsum`` once, and sums
+    its columns' weight (and bias) gradient over its rows in fp32 registers, written once into row ``group`` of
+    ``DW_PARTIAL`` (``DB_PARTIAL``) for ``sum_partials_kernel``. No partial sum is read back, and no row is read
+    more than twice in the whole backward (once here, once for the reductions)."""
+    pid = tl.program_id(0)
+    group = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    first_row = group * rows_per_group
+    last_row = tl.minimum(first_row + rows_per_group, n_rows)
+    for row_start in tl.range(first_row, last_row, BLOCK_M, num_stages=NUM_STAGES):
+        rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < last_row
+        mask = row_mask[:, None] & col_mask[None, :]
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        c = tl.load(C + rows, mask=row_mask, other=0.0)
+        if CENTER:
+            mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+        else:
+            mean = rstd  # not read without CENTER
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dx = g - n * c[:, None]
+        if CENTER:
+            dx -= tl.load(C + n_rows + rows, mask=row_mask, other=0.0)[:, None]
+        dx = dx * rstd[:, None]
+        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+                          HAS_DSUM, HAS_DRES)
+        if HAS_WEIGHT:
+            dw_acc += dy * n_weighted
+        if HAS_BIAS:
+            db_acc += dy
+    partial = group.to(tl.int64) * n_cols + cols
+    if HAS_WEIGHT:
+        tl.store(DW_PARTIAL + partial, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if HAS_BIAS:
+        tl.store(DB_PARTIAL + partial, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 @triton.jit

@@ -17,17 +17,20 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
-from .kernels import norm_bwd_kernel, norm_fwd_kernel, sum_partials_kernel
+from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel, sum_partials_kernel
 from .modes import Mode, dtype_of, get_mode, sum_dtype
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
-# Widest row (in elements) kept whole in registers; wider rows loop over column blocks of LOOP_BLOCK_N.
-# The backward keeps about four fp32 values live per element across a row's reduction (the weight, its gradient's
-# accumulator, dy and the row): at 16384 elements that is 64K registers, an SM's whole register file, and such a
-# tile spills at any warp count (sm_90, Triton 3.9: 136-1576 bytes a thread at 16 or 32 warps). So the single
-# tile stops at 8192.
-FWD_MAX_TILE_N = 16384
-BWD_MAX_TILE_N = 8192
+# Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
+# fp32 ones); wider rows loop over column blocks of LOOP_BLOCK_N. Forward: 32768 bf16 elements compile without
+# spills at 16 warps (offline, sm_80 and sm_90, Triton 3.9: 110-128 registers); fp32 rows of 32768 spill 8-24
+# bytes there, so fp32 stops at 16384. Backward: it keeps about four fp32 values live per element (the weight,
+# its gradient's accumulator, dy and the row), and a 16384-wide tile spills 136-568 bytes a thread (sm_90,
+# Triton 3.9, 16 warps); Liger-Kernel's backward runs exactly such a tile (16 warps, one program per SM, the weight
+# gradient in registers) at 2.1x the speed of the looped kernel on an H100 (BENCHMARKS.md, run 3), so bf16 rows of
+# 16384 take the single tile too (not yet timed in ours) and fp32 stops at 8192.
+FWD_MAX_TILE_BYTES = 65536
+BWD_MAX_TILE_BYTES = 32768
 LOOP_BLOCK_N = 4096
 # Elements per program for narrow rows: several rows share a program so each has enough work.
 TARGET_TILE_ELEMENTS = 4096
@@ -59,6 +62,16 @@ REDUCE_NUM_WARPS = 4
 INTERPRET_BWD_PROGRAMS = 3
 
 
+def fwd_max_tile_n(elem_bytes: int) -> int:
+    """The forward's widest single tile, in elements of ``elem_bytes`` bytes."""
+    return FWD_MAX_TILE_BYTES // elem_bytes
+
+
+def bwd_max_tile_n(elem_bytes: int) -> int:
+    """The backward's widest single tile, in elements of ``elem_bytes`` bytes."""
+    return BWD_MAX_TILE_BYTES // elem_bytes
+
+
 @functools.lru_cache(maxsize=None)
 def tile_config(n_cols: int, max_tile_n: int) -> tuple[int, int, bool, int]:
     """``(BLOCK_M, BLOCK_N, SINGLE_TILE, num_warps)`` for rows of ``n_cols`` elements."""
@@ -88,10 +101,11 @@ class TilingPlan(NamedTuple):
 def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
     """The forward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the wider of ``x`` and the
     residual) on ``arch`` (``tuning.device_arch``; None on the CPU): ``tile_config``'s, with the tuned table's
-    entry for ``arch`` applied where it has one. Rows up to ``FWD_MAX_TILE_N`` are one tile."""
-    block_m, block_n, single_tile, num_warps = tile_config(n_cols, FWD_MAX_TILE_N)
+    entry for ``arch`` applied where it has one. Rows up to ``fwd_max_tile_n`` are one tile."""
+    max_tile_n = fwd_max_tile_n(elem_bytes)
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
     default = TilingPlan(block_m, block_n, single_tile, num_warps, 1, None)
-    return tuned(default, PlanKey(arch, "forward", elem_bytes, width_bucket(n_cols, FWD_MAX_TILE_N)))
+    return tuned(default, PlanKey(arch, "forward", elem_bytes, width_bucket(n_cols, max_tile_n)))
 
 
 @reads_tuned_plans
@@ -99,20 +113,21 @@ def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> Tilin
 def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
     """The backward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the widest of the loaded
     activations: ``dy``, the norm's input, ``dsum``) on ``arch``, with the tuned table's entry applied as in
-    ``forward_plan``. Rows up to ``BWD_MAX_TILE_N`` are one tile, pipelined over row blocks; wider rows take the
-    looped kernel (columns in blocks of ``LOOP_BLOCK_N``, no pipelining)."""
-    key = PlanKey(arch, "backward", elem_bytes, width_bucket(n_cols, BWD_MAX_TILE_N))
-    block_m, block_n, single_tile, num_warps = tile_config(n_cols, BWD_MAX_TILE_N)
-    if not single_tile:
-        return tuned(TilingPlan(block_m, block_n, False, num_warps, 1, BWD_MAX_PROGRAMS_PER_SM), key)
-    num_warps = BWD_SINGLE_TILE_WARPS
+    ``forward_plan``. Rows up to ``bwd_max_tile_n`` are one tile; wider rows take the two wide kernels
+    (``row_dot_kernel``, then ``column_bwd_kernel`` over column blocks of ``LOOP_BLOCK_N``). Either's row loop
+    is pipelined where its staging buffers fit; the plan's tile is the one the row loop stages."""
+    max_tile_n = bwd_max_tile_n(elem_bytes)
+    key = PlanKey(arch, "backward", elem_bytes, width_bucket(n_cols, max_tile_n))
+    block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
+    if single_tile:
+        num_warps = BWD_SINGLE_TILE_WARPS
     stage_bytes = BWD_LOADED_TENSORS * block_m * block_n * elem_bytes
     num_stages = max(1, min(BWD_MAX_STAGES, BWD_PIPELINE_SMEM_BYTES // stage_bytes))
     staged_bytes = stage_bytes * num_stages if num_stages > 1 else 0
     programs_per_sm = min(BWD_MAX_PROGRAMS_PER_SM,
                           REGISTERS_PER_SM // (num_warps * 32 * BWD_REGISTERS_PER_THREAD),
                           SMEM_PER_SM_BYTES // staged_bytes if staged_bytes else BWD_MAX_PROGRAMS_PER_SM)
-    return tuned(TilingPlan(block_m, block_n, True, num_warps, num_stages, max(1, programs_per_sm)), key)
+    return tuned(TilingPlan(block_m, block_n, single_tile, num_warps, num_stages, max(1, programs_per_sm)), key)
 
 
 def is_traced(t: torch.Tensor) -> bool:
@@ -121,7 +136,8 @@ def is_traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, sum_partials_kernel)}
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
+                                                              column_bwd_kernel, sum_partials_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
@@ -273,7 +289,8 @@ def norm_backward(
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the backward kernel, then ``sum_partials_kernel`` for the weight (and bias) gradient. Returns
+    """Runs the backward kernels (``norm_bwd_kernel`` for rows of one tile; ``row_dot_kernel`` then
+    ``column_bwd_kernel`` for wider ones), then ``sum_partials_kernel`` for the weight (and bias) gradient. Returns
     ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
     (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight."""
     shape = norm_input.shape
@@ -290,35 +307,59 @@ def norm_backward(
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
         return dx, dres, dweight, dbias
 
-    if not dy.is_cuda:  # Triton's interpreter (launch.py only runs on the CPU there)
-        n_programs = min(n_row_blocks, INTERPRET_BWD_PROGRAMS)
+    # Triton's interpreter (launch.py only runs on the CPU there) runs programs one after another: a few do.
+    slots = INTERPRET_BWD_PROGRAMS if not dy.is_cuda else _sm_count(device.index or 0) * plan.programs_per_sm
+    if plan.single_tile:
+        n_partials = grid = min(n_row_blocks, slots)
     else:
-        n_programs = min(n_row_blocks, _sm_count(device.index or 0) * plan.programs_per_sm)
-    dw_partial = None if weight is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
-    db_partial = None if bias_dtype is None else torch.empty((n_programs, n_cols), dtype=torch.float32, device=device)
+        # Row groups times column blocks fill the slots; each group writes one row of partial sums.
+        n_col_blocks = _cdiv(n_cols, plan.block_n)
+        rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * plan.block_m
+        n_partials = _cdiv(n_rows, rows_per_group)
+        grid = n_partials * n_col_blocks
+    dw_partial = None if weight is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
+    db_partial = None if bias_dtype is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
 
     dy2, stride_dy = _as_rows(dy, n_cols)
     s2, stride_s = _as_rows(norm_input, n_cols)
     weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
     stats = stats.contiguous()
     dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
-    _launch(
-        wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, n_programs,
-        (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
-         n_rows, n_cols, n_row_blocks,
-         stride_dy, stride_dsum, stride_s, n_cols, n_cols),
-        dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
-             HAS_BIAS=bias_dtype is not None, **get_mode(mode).kernel_flags, BLOCK_M=plan.block_m,
-             BLOCK_N=plan.block_n, SINGLE_TILE=plan.single_tile, NUM_STAGES=plan.num_stages),
-        plan.num_warps,
-    )
+    flags = get_mode(mode).kernel_flags
+    gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
+                     HAS_BIAS=bias_dtype is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+                     NUM_STAGES=plan.num_stages)
+    if plan.single_tile:
+        _launch(
+            wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, grid,
+            (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
+             n_rows, n_cols, n_row_blocks,
+             stride_dy, stride_dsum, stride_s, n_cols, n_cols),
+            gradients, plan.num_warps,
+        )
+    else:
+        # The rows' reductions first (mean(g * n), and mean(g) when centring), then every column from them.
+        reductions = torch.empty(((2 if flags["CENTER"] else 1) * n_rows,), dtype=torch.float32, device=device)
+        _launch(
+            wrap_triton(row_dot_kernel) if is_traced(dy) else row_dot_kernel, n_row_blocks,
+            (dy2, s2, stats, weight, reductions, n_rows, n_cols, stride_dy, stride_s),
+            dict(HAS_WEIGHT=weight is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n),
+            plan.num_warps,
+        )
+        _launch(
+            wrap_triton(column_bwd_kernel) if is_traced(dy) else column_bwd_kernel, grid,
+            (dy2, dsum2, s2, stats, reductions, weight, dx, dres, dw_partial, db_partial,
+             n_rows, n_cols, n_col_blocks, rows_per_group,
+             stride_dy, stride_dsum, stride_s, n_cols, n_cols),
+            gradients, plan.num_warps,
+        )
     dweight = None if weight is None else torch.empty_like(weight)
     dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
     if dweight is not None or dbias is not None:
         _launch(
             wrap_triton(sum_partials_kernel) if is_traced(dy) else sum_partials_kernel,
             _cdiv(n_cols, REDUCE_BLOCK_N),
-            (dw_partial, db_partial, dweight, dbias, n_programs, n_cols),
+            (dw_partial, db_partial, dweight, dbias, n_partials, n_cols),
             dict(HAS_WEIGHT=dweight is not None, HAS_BIAS=dbias is not None, BLOCK_P=REDUCE_BLOCK_P,
                  BLOCK_N=REDUCE_BLOCK_N),
             REDUCE_NUM_WARPS,

@@ -45,8 +45,10 @@ DEFAULT_ROWS = 4095
 SM_COUNTS = {"sm_80": 108, "sm_90": 132}
 # "infer": a forward without autograd, which skips the statistics only the backward reads. "bwd-sum": the launch
 # after the backward's, which adds the programs' weight-gradient partial rows up (sum_partials_kernel).
+# "bwd-dot": the row reductions that come first in the backward of rows wider than one tile (row_dot_kernel; the
+# "bwd" variants are then column_bwd_kernel), not launched for narrower rows.
 VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias",
-            "bwd-sum")
+            "bwd-sum", "bwd-dot")
 
 # Global loads (LDGSTS, the asynchronous global-to-shared copy, reads global memory too) and stores.
 _GLOBAL_ACCESS = re.compile(r"\b(LDGSTS|LDG|STG)((?:\.\w+)*)\s")
@@ -157,9 +159,9 @@ class _LaunchRecorder:
 
 
 def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
-                   sm_count: int, arch: str | None = None) -> tuple[Any, tuple, dict]:
+                   sm_count: int, arch: str | None = None) -> tuple[Any, tuple, dict] | None:
     """Runs launch.py's host code for ``variant`` on meta tensors and returns ``(kernel, args, kwargs)`` of the
-    launch it makes. A backward variant runs its forward first, so it gets the saved tensors launch.py makes.
+    launch it makes (None for ``bwd-dot`` where the backward makes no such launch). A backward variant runs its forward first, so it gets the saved tensors launch.py makes.
     Weights have the activations' dtype, as in a model loaded in that dtype. The tiling is the plan for GPU
     architecture ``arch`` (its tuned-plan table entry, if any; None: the defaults)."""
     import torch
@@ -174,9 +176,12 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     # The backward's dsum is the gradient of the residual sum: it exists only after a fused add.
     residual = tensor() if "res" in variant or "dsum" in variant else None
     fwd, bwd, wgrad_sum = _LaunchRecorder(), _LaunchRecorder(), _LaunchRecorder()
+    wide_bwd, row_dot = _LaunchRecorder(), _LaunchRecorder()
     with (
         mock.patch.object(launch, "norm_fwd_kernel", fwd),
         mock.patch.object(launch, "norm_bwd_kernel", bwd),
+        mock.patch.object(launch, "column_bwd_kernel", wide_bwd),
+        mock.patch.object(launch, "row_dot_kernel", row_dot),
         mock.patch.object(launch, "sum_partials_kernel", wgrad_sum),
         mock.patch.object(launch, "_sm_count", lambda _index: sm_count),
         mock.patch.object(launch, "device_arch", lambda _index: arch),
@@ -195,6 +200,14 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     if variant == "bwd-sum":
         (args, kwargs), = wgrad_sum.calls
         return launch.sum_partials_kernel, args, kwargs
+    if variant == "bwd-dot":
+        if not row_dot.calls:
+            return None
+        (args, kwargs), = row_dot.calls
+        return launch.row_dot_kernel, args, kwargs
+    if wide_bwd.calls:  # rows wider than one tile: the column kernel does the gradients' work
+        (args, kwargs), = wide_bwd.calls
+        return launch.column_bwd_kernel, args, kwargs
     (args, kwargs), = bwd.calls
     return launch.norm_bwd_kernel, args, kwargs
 
@@ -213,13 +226,16 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
 
 
 def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows: int, mode: str,
-                    tools: tuple[str, str]) -> Record:
-    """Compiles one variant and measures its cubin."""
+                    tools: tuple[str, str]) -> Record | None:
+    """Compiles one variant and measures its cubin; None where the variant makes no launch at this width."""
     import torch
     from triton.backends.compiler import GPUTarget
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    kernel, args, kwargs = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch], arch)
+    launch = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch], arch)
+    if launch is None:
+        return None
+    kernel, args, kwargs = launch
     compiled = compile_launch(kernel, args, kwargs, GPUTarget("cuda", int(arch.removeprefix("sm_")), 32))
     measured = analyse_cubin(compiled.asm["cubin"], *tools)
     # cuobjdump sees the static shared memory only; Triton's own figure includes the dynamic allocation it
@@ -228,7 +244,8 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
     return Record(
         arch=arch, kernel=kernel.__name__, variant=variant, dtype=dtype_name, hidden=hidden, rows=rows, mode=mode,
         block_m=kwargs.get("BLOCK_M", kwargs.get("BLOCK_P")), block_n=kwargs["BLOCK_N"],
-        single_tile=kwargs.get("SINGLE_TILE", True), num_warps=kwargs["num_warps"],
+        single_tile=kwargs.get("SINGLE_TILE", kernel.__name__ not in ("column_bwd_kernel", "row_dot_kernel")),
+        num_warps=kwargs["num_warps"],
         num_stages=kwargs.get("NUM_STAGES", 1), **measured,
     )
 
@@ -329,11 +346,12 @@ def run_inspection(config: InspectConfig, tools: tuple[str, str]) -> list[Record
         for dtype in config.dtype:
             for hidden in config.hidden:
                 try:
-                    records.append(inspect_variant(config.arch, variant, dtype, hidden, config.rows, config.mode,
-                                                   tools))
+                    record = inspect_variant(config.arch, variant, dtype, hidden, config.rows, config.mode, tools)
                 except Exception as exc:  # report which variant broke, then fail the run
                     raise CompilationFailed(f"{config.arch} {variant} {dtype} hidden={hidden}: compilation failed: "
                                             f"{exc!r}") from exc
+                if record is not None:
+                    records.append(record)
     print(format_table(records))
     if config.json:
         config.json.write_text(json.dumps([asdict(r) for r in records], indent=1))
