@@ -6,7 +6,7 @@ Face model could use, as achieved bandwidth and as a fraction of the card's copy
     python scripts/bench_kernels.py --rows 64 --hidden 256 --dry-run     # without a GPU: the harness on the CPU
 
 Exit status: 0 (also without a GPU, after saying so), 2 bad input (one line on stderr, no traceback).
-The work is done by hf_rmsnorm.tools.kernel_bench, which also explains the method; this file only reads the
+The work is done by harness.kernel_bench, which also explains the method; this file only reads the
 command line.
 """
 
@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from hf_rmsnorm.ops import backend  # noqa: E402
-from hf_rmsnorm.tools import cli, kernel_bench  # noqa: E402  (define no kernel)
+from harness import kernel_bench  # noqa: E402  (define no kernel)
+from hf_rmsnorm.tools import cli  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> kernel_bench.BenchConfig:

@@ -5,7 +5,7 @@ against the minimum bytes of the call: a proxy for how close to copy bandwidth a
     python scripts/byte_traffic.py --hidden 16384 --variant bwd+dsum --json traffic.json
 
 Exit status: 0 done, 2 bad input (one line on stderr).
-The work is done by hf_rmsnorm.tools.byte_traffic, which also explains the method; this file only reads the
+The work is done by harness.byte_traffic, which also explains the method; this file only reads the
 command line.
 """
 
@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_rmsnorm.ops import backend  # noqa: E402
 from hf_rmsnorm.ops.modes import MODES  # noqa: E402
-from hf_rmsnorm.tools import byte_traffic, cli  # noqa: E402  (define no kernel)
+from harness import byte_traffic  # noqa: E402  (define no kernel)
+from hf_rmsnorm.tools import cli  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> byte_traffic.TrafficConfig:

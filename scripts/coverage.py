@@ -6,7 +6,7 @@
 
 Results are merged into --out (default docs/coverage.md) and the JSON beside it, so runs in chunks build one
 page. On CPU the kernels run in Triton's interpreter. Exit status: 0 when no model type failed its parity
-check, 1 when one did, 2 bad input. The work is done by hf_rmsnorm.tools.coverage.
+check, 1 when one did, 2 bad input. The work is done by harness.coverage.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _main(argv: list[str]) -> int:
     backend.configure("cpu")
     import transformers
 
-    from hf_rmsnorm.tools import coverage
+    from harness import coverage
 
     transformers.logging.set_verbosity_error()
     types = coverage.causal_lm_types()

@@ -46,6 +46,7 @@ Not tested yet, pending a GPU: DDP or FSDP2 on GPUs, --mixed_precision bf16 with
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -118,6 +119,10 @@ def parse_args(argv: list[str]):
 
 def _main(argv: list[str]) -> int:
     config = parse_args(argv)  # first: --help and usage errors answer before torch is imported
+    missing = [name for name in ("accelerate", "peft" if config.lora else None)
+               if name and importlib.util.find_spec(name) is None]
+    if missing:  # the package itself needs neither: they come with its `finetune` extra
+        raise cli.InputError(f"fine-tuning needs {' and '.join(missing)}: pip install 'hf-rmsnorm[finetune]'")
     # The GPU when there is one (accelerate picks it too), else the kernels in Triton's interpreter.
     cli.select_device("auto")
     from hf_rmsnorm.tools.finetune import finetune

@@ -12,7 +12,7 @@ results.json, log.txt and kernels.png. Nothing is installed into the environment
 succeeds in installing this checkout (editable, offline).
 
 Exit status: 0 when every section that ran succeeded, 1 when one failed or timed out, 2 bad input.
-The work is done by hf_rmsnorm.tools.gpu_suite; this file only reads the command line.
+The work is done by harness.gpu_suite; this file only reads the command line.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 # Lets the script run from a checkout that was not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hf_rmsnorm.tools import cli, gpu_suite  # noqa: E402  (imports no torch)
+from harness import gpu_suite  # noqa: E402  (imports no torch)
+from hf_rmsnorm.tools import cli  # noqa: E402
 
 
 def parse_args(argv: list[str]):

@@ -7,7 +7,7 @@ reports registers per thread, spilled bytes and the widest global load of each.
 Exit status: 0 done, 1 --strict found a problem, 2 a variant failed to compile or bad input (one line on
 stderr), 3 cuobjdump/nvdisasm missing or Triton too old
 (>= 3.5 needed).
-The work is done by hf_rmsnorm.tools.kernel_inspect, which also explains the method; this file only reads the
+The work is done by harness.kernel_inspect, which also explains the method; this file only reads the
 command line.
 """
 
@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hf_rmsnorm.ops import backend  # noqa: E402
 from hf_rmsnorm.ops.modes import MODES  # noqa: E402
-from hf_rmsnorm.tools import cli, kernel_inspect  # noqa: E402  (define no kernel)
+from harness import kernel_inspect  # noqa: E402  (define no kernel)
+from hf_rmsnorm.tools import cli  # noqa: E402
 
 EXIT_COMPILATION_FAILED, EXIT_NO_TOOLS = 2, 3
 

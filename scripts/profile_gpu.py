@@ -4,7 +4,7 @@ kernel, host time per function).
     python scripts/profile_gpu.py --model llama-3.2-1b-shape --prompt-len 2048 --decode-tokens 16
 
 Exit status: 0 (also without a GPU, after saying so), 2 bad input. The work is done by
-hf_rmsnorm.tools.profile_gpu; this file only reads the command line.
+harness.profile_gpu; this file only reads the command line.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _main(argv: list[str]) -> int:
     from hf_rmsnorm.ops import backend
 
     backend.configure("cuda")
-    from hf_rmsnorm.tools.profile_gpu import profile_backward, profile_generate
+    from harness.profile_gpu import profile_backward, profile_generate
 
     profile_backward(*args.norm_shape)
     profile_generate(args.model, args.prompt_len, args.decode_tokens)

@@ -6,7 +6,7 @@ architecture, ready to commit as hf_rmsnorm/ops/tuned_plans.json.
     python scripts/tune_kernels.py --dry-run --json t.json     # without a GPU: the plumbing on the CPU
 
 Exit status: 0 (also without a GPU, after saying so), 2 bad input (one line on stderr, no traceback).
-The work is done by hf_rmsnorm.tools.kernel_tuning, which also explains the method; this file only reads the
+The work is done by harness.kernel_tuning, which also explains the method; this file only reads the
 command line.
 """
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from hf_rmsnorm.ops import backend  # noqa: E402
-from hf_rmsnorm.tools import cli, kernel_tuning  # noqa: E402  (define no kernel)
+from harness import kernel_tuning  # noqa: E402  (define no kernel)
+from hf_rmsnorm.tools import cli  # noqa: E402
 
 
 def _power_of_two(text: str) -> int:

@@ -1,4 +1,4 @@
-"""Bytes each kernel variant moves, counted in Triton's interpreter (hf_rmsnorm.tools.byte_traffic), pinned per
+"""Bytes each kernel variant moves, counted in Triton's interpreter (harness.byte_traffic), pinned per
 variant: a kernel change that re-reads a row, or rewrites a partial row per row, fails here on the CPU.
 
 The pins are steady-state bytes per row over the minimum's (``per_row_ratio``), bf16, mode llama. The minimum
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_rmsnorm.tools import byte_traffic, kernel_bench
+from harness import byte_traffic, kernel_bench
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "byte_traffic.py"
 

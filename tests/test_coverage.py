@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hf_rmsnorm.tools import coverage
+from harness import coverage
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "coverage.py"
 

@@ -130,7 +130,7 @@ def test_a_weightless_norm_keeps_the_state_dict_and_trains():
 def _tiny_multimodal(model_type: str):
     from transformers import AutoModelForImageTextToText
 
-    from hf_rmsnorm.tools.coverage import _tiny_config
+    from harness.coverage import _tiny_config
 
     config = _tiny_config(model_type)
     if model_type == "qwen2_5_vl":  # its multimodal rotary sections must add up to half a (shrunk) head

@@ -15,7 +15,7 @@ from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import backend, fast_launch, launch
 from hf_rmsnorm.ops.fast_launch import CachedLauncher, _arg_key
 from hf_rmsnorm.ops.kernels import norm_fwd_kernel
-from hf_rmsnorm.tools.kernel_inspect import capture_launch
+from harness.kernel_inspect import capture_launch
 
 HIDDEN = 64
 # The kernels' device: on a CPU host the stand-in still runs the launch path (the interpreter's kernels skip it).

@@ -156,6 +156,19 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.mark.parametrize("missing, extra", [("accelerate", []), ("peft", ["--lora"])])
+def test_fine_tuning_without_its_extra_says_which_to_install(missing, extra, monkeypatch, capsys, tmp_path):
+    """The package needs neither accelerate nor PEFT; the fine-tuning entry point names the extra that brings
+    them, in one line, before any work."""
+    script = _load_script()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    assert script.main(["--output-dir", str(tmp_path / "out"), *extra]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"fine-tuning needs {missing}: pip install 'hf-rmsnorm[finetune]'")
+    assert not (tmp_path / "out").exists()
+
+
 def test_sizes_default_per_device_and_help_says_so(capsys):
     script = _load_script()
     config = script.parse_args(["--output-dir", "out", "--seq-len", "32"])

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_rmsnorm.tools import gpu_suite
-from hf_rmsnorm.tools.gpu_suite import Outcome
-from hf_rmsnorm.tools.gpu_suite_report import summary
+from harness import gpu_suite
+from harness.gpu_suite_report import Outcome, summary
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.py"
 

@@ -1,6 +1,6 @@
 """The kernel tooling scripts: offline inspection of the compiled kernels, and the benchmark's harness and maths.
 
-The helpers are tested from the modules that hold them, hf_rmsnorm.tools.kernel_inspect and kernel_bench. The
+The helpers are tested from the modules that hold them, harness.kernel_inspect and kernel_bench. The
 scripts are run as subprocesses: the inspection must compile real GPU kernels, which it cannot do in this
 process, where conftest.py has defined them for Triton's interpreter. The subprocesses inherit this process's
 environment (TRITON_INTERPRET=1 included): each script sets its own backend up.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_rmsnorm.tools import kernel_bench, kernel_inspect
+from harness import kernel_bench, kernel_inspect
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

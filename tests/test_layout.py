@@ -1,5 +1,6 @@
-"""The package's architecture, checked: three wings importing only downward (tools -> patch -> ops), a public
-API that imports lazily, one version, and one place deciding which backend runs."""
+"""The package's architecture, checked: three wings importing only downward (tools -> patch -> ops), the
+development harness outside the package and above it, a public API that imports lazily, one version, and one
+place deciding which backend runs."""
 
 from __future__ import annotations
 
@@ -48,6 +49,24 @@ def test_wings_import_only_downward(wing):
         assert _wings_imported(path) <= ALLOWED[wing], (path.name, _wings_imported(path))
         if wing == "ops":  # the kernel library knows nothing of transformers
             assert not any(name.split(".")[0] == "transformers" for name in _imports(path)), path.name
+
+
+def test_the_harness_lives_outside_the_package_and_above_it():
+    """The development harness (GPU suite, benchmarks, inspection, tuning, coverage) imports the package; no module
+    of the package imports the harness, and the wheel's packages (pyproject's find rule) leave it out."""
+    import fnmatch
+    import tomllib
+
+    root = PACKAGE.parent
+    for path in sorted(PACKAGE.rglob("*.py")):
+        assert not any(name.split(".")[0] == "harness" for name in _imports(path)), path
+    harness = sorted(p for p in (root / "harness").glob("*.py") if p.name != "__init__.py")
+    assert len(harness) > 5 and not any((PACKAGE / "tools" / path.name).exists() for path in harness)
+    # setuptools' find rule keeps the packages whose dotted names match an include pattern.
+    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert any(fnmatch.fnmatchcase("hf_rmsnorm.ops", pattern) for pattern in include)
+    assert not any(fnmatch.fnmatchcase(name, pattern) for name in ("harness", "harness.gpu_suite")
+                   for pattern in include)
 
 
 def _fresh_modules(statement: str) -> list[str]:

@@ -18,8 +18,8 @@ import torch
 
 from hf_rmsnorm.ops import launch, tuning
 from hf_rmsnorm.ops.tuning import PlanKey, TableError
-from hf_rmsnorm.tools import gpu_suite, gpu_suite_report, kernel_bench, kernel_tuning
-from hf_rmsnorm.tools.kernel_inspect import capture_launch
+from harness import gpu_suite, gpu_suite_report, kernel_bench, kernel_tuning
+from harness.kernel_inspect import capture_launch
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tune_kernels.py"
 ARCH = "sm_90"
@@ -317,6 +317,6 @@ def test_the_suite_copies_the_table_out_ready_to_commit(tmp_path):
     section, = [s for s in gpu_suite.SECTIONS if s.name == "tune"]
     assert section.outputs == (tuning.TABLE_PATH.name,)
     table = _table(_entry())
-    outcome = gpu_suite.Outcome("tune", section.what, "ok", data={tuning.TABLE_PATH.stem: table})
+    outcome = gpu_suite_report.Outcome("tune", section.what, "ok", data={tuning.TABLE_PATH.stem: table})
     gpu_suite_report.write_files(tmp_path, [outcome], toy=False)
     assert tuning.read_table(tmp_path / tuning.TABLE_PATH.name) == table

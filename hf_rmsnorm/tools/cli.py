@@ -78,14 +78,6 @@ def run(prog: str, main: Callable[[list[str]], int], argv: list[str] | None = No
         return EXIT_INTERNAL
 
 
-def requested_device(argv: list[str]) -> str:
-    """The ``--device`` of ``argv`` alone (default ``auto``), read before the full command line so that the
-    kernels can be set up before the modules that define them are imported."""
-    parser = ArgumentParser(add_help=False)
-    parser.add_argument("--device", default="auto", choices=DEVICES)
-    return parser.parse_known_args(argv)[0].device
-
-
 def select_device(requested: str = "auto") -> torch.device:
     """The device a run uses (``auto``: the GPU when there is one), with the kernels set up for it: compiled on
     a GPU, in Triton's interpreter on the CPU (``hf_rmsnorm.ops.backend.configure``)."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 from unittest import mock
 
-from ..ops import backend
+from hf_rmsnorm.ops import backend
 
 DEFAULT_HIDDEN = (128, 896, 4096, 8192, 16384, 32768, 65536)
 DTYPES = ("bf16", "fp16", "fp32")
@@ -166,7 +166,7 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     architecture ``arch`` (its tuned-plan table entry, if any; None: the defaults)."""
     import torch
 
-    from ..ops import launch
+    from hf_rmsnorm.ops import launch
 
     def tensor() -> torch.Tensor:
         return torch.empty(rows, hidden, dtype=dtype, device="meta")

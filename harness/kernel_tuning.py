@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..ops import tuning
+from hf_rmsnorm.ops import tuning
 from . import kernel_bench
 
 KERNELS = ("backward", "forward")
@@ -72,7 +72,7 @@ DRY_RUN_NOTE = ("dry run on the CPU: kernels in Triton's interpreter, toy sizes,
 
 def plan_function(kernel: str) -> Callable[..., Any]:
     """``launch.forward_plan`` or ``launch.backward_plan``: ``(n_cols, elem_bytes, arch) -> TilingPlan``."""
-    from ..ops import launch
+    from hf_rmsnorm.ops import launch
 
     return {"forward": launch.forward_plan, "backward": launch.backward_plan}[kernel]
 
@@ -95,7 +95,7 @@ def tunable_values(plan: Any, kernel: str) -> dict[str, int]:
 
 def neighbours(name: str, value: int, single_tile: bool) -> list[int]:
     """The values of constant ``name`` tried next to ``value``."""
-    from ..ops import launch
+    from hf_rmsnorm.ops import launch
 
     if name == "block_m":
         return [v for v in (value // 2, value * 2) if v >= 1]

@@ -45,7 +45,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..ops import backend
+from hf_rmsnorm.ops import backend
 from . import kernel_bench
 
 # Calls whose kernels are counted, named as kernel_inspect names the launches they make: "infer" a forward without
@@ -238,7 +238,7 @@ def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: s
     """Runs one call of ``variant`` (one of ``VARIANTS``) on ``rows x hidden`` and returns the
     counter of its kernels' traffic: the forward's (``infer*`` without autograd, ``fwd*`` with it) or, for
     ``bwd*``, the backward's alone (its forward runs first, uncounted)."""
-    from ..ops import fused_add_rms_norm, rms_norm
+    from hf_rmsnorm.ops import fused_add_rms_norm, rms_norm
 
     t = _inputs(variant, rows, hidden, dtype)
     x, residual, weight, bias = t["x"], t["residual"], t["weight"], t["bias"]

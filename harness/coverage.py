@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from ..patch import UnsupportedModelError, check_model, patch_model
-from ..patch.recognition import is_rms_norm_like
+from hf_rmsnorm.patch import UnsupportedModelError, check_model, patch_model
+from hf_rmsnorm.patch.recognition import is_rms_norm_like
 
 # Config fields shrunk when the default config (or one of its sub-configs: text, vision, ...) has them as positive
 # ints (0 often means "none of these"); never grown (a default of one expert per token, or one KV head, stays).
@@ -466,7 +466,7 @@ def render(results: list[Coverage], transformers_version: str) -> str:
     counts = {(v, t): sum(r.verdict == v and norm_type(r) == t for r in results) for v in VERDICTS for t in NORM_TYPES}
     lines = [
         f"# Coverage of transformers {transformers_version}'s causal LMs", "",
-        "Written by `python scripts/coverage.py` (see its `--help` and `hf_rmsnorm/tools/coverage.py` for the "
+        "Written by `python scripts/coverage.py` (see its `--help` and `harness/coverage.py` for the "
         "method). Each model type is a tiny random model of transformers' own classes, its norms given "
         "trained-like weights and biases, checked in fp32 against its eager self and in bf16 against an fp64 "
         "copy.", "",

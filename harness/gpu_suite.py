@@ -26,11 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from .gpu_suite_report import Outcome, write_files
+
+REPO = Path(__file__).resolve().parents[1]
 # The overall limit: sections start only while this much time is left, so the suite ends inside the lease.
 DEFAULT_TIME_LIMIT_S = 480
 # A section is not started with less time than this left: it could not even load a model.
@@ -159,19 +160,6 @@ SECTIONS: tuple[Section, ...] = (
 )
 
 
-@dataclass
-class Outcome:
-    """How one section went."""
-
-    name: str
-    what: str
-    status: str  # "ok", "failed (exit N)", "timed out after N s", "not run: ..."
-    seconds: float = 0.0
-    command: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
-    output: str = ""
-
-
 def _run_with_limit(argv: list[str], limit_s: float, env: dict[str, str]) -> tuple[int | None, str]:
     """Runs ``argv`` in the checkout; kills its whole process group (accelerate starts children) at the limit.
     Returns (exit status or None when killed, stdout and stderr together)."""
@@ -216,8 +204,6 @@ def section_env() -> dict[str, str]:
 def run_suite(out: Path, time_limit_s: float, toy: bool, only: list[str] | None = None) -> list[Outcome]:
     """Runs the sections (all, or those named in ``only``) in order within ``time_limit_s`` and writes the
     suite's files into ``out`` after every section, so a run cut short keeps what it measured."""
-    from . import gpu_suite_report
-
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + time_limit_s
     env = section_env()
@@ -237,5 +223,5 @@ def run_suite(out: Path, time_limit_s: float, toy: bool, only: list[str] | None 
                 outcomes.append(run_section(section, min(section.limit_s, left), work, toy, env))
                 print(f"[gpu_suite] {section.name}: {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s",
                       flush=True)
-            gpu_suite_report.write_files(out, outcomes, toy)
+            write_files(out, outcomes, toy)
     return outcomes

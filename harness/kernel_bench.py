@@ -260,7 +260,7 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
     """A fresh implementation for one shape (fresh so torch.compile specialises on it without hitting its
     recompilation limit). Weights are in the activations' dtype, as in a model loaded in that dtype."""
     if name == "hf_rmsnorm":
-        from ..ops import fused_add_rms_norm
+        from hf_rmsnorm.ops import fused_add_rms_norm
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), weight)
@@ -277,7 +277,7 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
         module = _hf_module(hidden, dtype, device)
         return Impl(torch.compile(_eager_add_norm(module), dynamic=False), module.weight)
     if name in ("hf_layernorm", "torch_layer_norm"):
-        from ..ops import fused_add_rms_norm
+        from hf_rmsnorm.ops import fused_add_rms_norm
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         bias = torch.zeros(hidden, dtype=dtype, device=device)  # no gradient asked, as for the RMSNorms' inputs
@@ -447,7 +447,7 @@ def launch_cost_lines(hidden: int, settings: Settings) -> list[str]:
     (no flush: a decode step's activations are in L2) and host time per eager call."""
     import triton
 
-    from ..ops import fused_add_rms_norm
+    from hf_rmsnorm.ops import fused_add_rms_norm
 
     @triton.jit
     def empty_kernel(ptr):
@@ -494,7 +494,7 @@ def launch_path_line(hidden: int, settings: Settings) -> str:
     launches itself, and through the opaque custom op, which calls back into the package's Python."""
     from unittest import mock
 
-    from ..ops import fast_launch, fused_add_rms_norm
+    from hf_rmsnorm.ops import fast_launch, fused_add_rms_norm
 
     dtype = DTYPES[settings.dtype_name]
     x, residual = (torch.randn(1, hidden, dtype=dtype, device=settings.device) for _ in range(2))

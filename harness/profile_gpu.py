@@ -17,10 +17,10 @@ import pstats
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ..ops import fused_add_rms_norm
-from ..patch import patch_model
-from .loading import load_model
-from .workload import generation_config, make_prompts, pad_token_id
+from hf_rmsnorm.ops import fused_add_rms_norm
+from hf_rmsnorm.patch import patch_model
+from hf_rmsnorm.tools.loading import load_model
+from hf_rmsnorm.tools.workload import generation_config, make_prompts, pad_token_id
 
 TABLE_ROWS = 15
 

@@ -10,13 +10,24 @@ import dataclasses
 import datetime
 import json
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .norm_free import ORACLE_NOTE, gain_share
+from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, gain_share
 
-if TYPE_CHECKING:
-    from .gpu_suite import Outcome
+@dataclass
+class Outcome:
+    """How one section of the suite went (``gpu_suite.run_section``); what this module reports."""
+
+    name: str
+    what: str
+    status: str  # "ok", "failed (exit N)", "timed out after N s", "not run: ..."
+    seconds: float = 0.0
+    command: str = ""
+    data: dict[str, Any] = field(default_factory=dict)
+    output: str = ""
+
 
 KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm")
 # This package's implementations, each reported in rows of its own.
