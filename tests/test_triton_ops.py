@@ -26,15 +26,15 @@ SUM_LAUNCH = (SUM, ["DW"])
 
 # case: (each kernel launched, in order, with the arguments it writes; where each graph output comes from)
 KERNEL_CASES = {
-    "rms_norm": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
-    "rms_norm_weightless": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
-    "rms_norm_gemma_fp32_weight": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
-    "fused_add_rms_norm": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "fused_add_layernorm": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "fused_add_rms_norm_dynamic": ([(FWD, ["RSTD", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
-    "rms_norm_add": ([(FWD, ["RSTD", "Y"])], [f"{FWD}:Y"]),
+    "rms_norm": ([(FWD, ["STATS", "Y"])], [f"{FWD}:Y"]),
+    "rms_norm_weightless": ([(FWD, ["STATS", "Y"])], [f"{FWD}:Y"]),
+    "rms_norm_gemma_fp32_weight": ([(FWD, ["STATS", "Y"])], [f"{FWD}:Y"]),
+    "fused_add_rms_norm": ([(FWD, ["STATS", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "fused_add_layernorm": ([(FWD, ["STATS", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "fused_add_rms_norm_dynamic": ([(FWD, ["STATS", "SUM_OUT", "Y"])], [f"{FWD}:Y", f"{FWD}:SUM_OUT"]),
+    "rms_norm_add": ([(FWD, ["STATS", "Y"])], [f"{FWD}:Y"]),
     # The norm's output (bf16) is not the residual's dtype: the kernel normalises, torch adds.
-    "rms_norm_add_fp32_residual": ([(FWD, ["RSTD", "Y"])], ["aten.add.Tensor"]),
+    "rms_norm_add_fp32_residual": ([(FWD, ["STATS", "Y"])], ["aten.add.Tensor"]),
     "rms_norm_backward": ([(BWD, ["DW_PARTIAL", "DX"]), SUM_LAUNCH], [f"{BWD}:DX", f"{SUM}:DW"]),
     "fused_add_backward": ([(BWD, ["DRES", "DW_PARTIAL", "DX"]), SUM_LAUNCH],
                            [f"{BWD}:DX", f"{BWD}:DRES", f"{SUM}:DW"]),

@@ -64,8 +64,8 @@ def test_cli_passes_on_each_preset(preset, tmp_path):
     assert report["environment"]["triton_interpreter"] is True
     assert report["patch"]["norms"] > 0 and report["patch"]["fused_adds"] > 0
     figures = report["parity"]
-    for key in ("max_abs_diff", "mean_abs_diff", "top1_agreement", "kl_mean", "kl_max", "eager_max_err",
-                "eager_mean_err", "patched_max_err", "patched_mean_err", "greedy_match"):
+    for key in ("max_abs_diff", "mean_abs_diff", "top1_agreement", "kl_mean", "kl_max", "unpatched_max_err",
+                "unpatched_mean_err", "patched_max_err", "patched_mean_err", "greedy_match"):
         assert key in figures
     assert figures["reference_dtype"] == "float64"
     assert figures["positions"] < 2 * 12  # the second row is left-padded
@@ -290,26 +290,26 @@ def test_nan_logits_fail():
     assert not _compare(reference.clone(), patched, reference).passed
 
 
-def _diverging_generations(eager_gap: float) -> tuple[workload.Generation, workload.Generation]:
+def _diverging_generations(unpatched_gap: float) -> tuple[workload.Generation, workload.Generation]:
     """Row 1 picks token 0 (unpatched) or 7 (patched) at step 2; the unpatched model's logits favour its token
-    by ``eager_gap``, the patched model's favour token 7 by 0.01."""
+    by ``unpatched_gap``, the patched model's favour token 7 by 0.01."""
     tokens = torch.zeros(2, 4, dtype=torch.long)
     other = tokens.clone()
     other[1, 2:] = 7
     eager, patched = _generation(tokens), _generation(other)
-    eager.logits[2, 1, 7] = 5.0 - eager_gap
+    eager.logits[2, 1, 7] = 5.0 - unpatched_gap
     patched.logits[2, 1, 0] = 5.0 - 0.01
     return eager, patched
 
 
 def test_greedy_divergence_at_a_near_tie_passes_and_is_reported():
     reference = _logits()
-    eager, patched = _diverging_generations(eager_gap=0.05)  # bf16 noise at |logit| 5: 4 * 2**-7 * 5 = 0.16
+    eager, patched = _diverging_generations(unpatched_gap=0.05)  # bf16 noise at |logit| 5: 4 * 2**-7 * 5 = 0.16
     report = _compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched)
     assert not report.greedy_match and report.greedy_first_divergence == 2
     (divergence,) = report.divergences
-    assert (divergence.row, divergence.step, divergence.eager_token, divergence.patched_token) == (1, 2, 0, 7)
-    assert divergence.eager_gap == pytest.approx(0.05, abs=1e-6)
+    assert (divergence.row, divergence.step, divergence.unpatched_token, divergence.patched_token) == (1, 2, 0, 7)
+    assert divergence.unpatched_gap == pytest.approx(0.05, abs=1e-6)
     assert divergence.patched_gap == pytest.approx(0.01, abs=1e-6)
     assert divergence.near_tie and report.greedy_ok and report.passed
     assert report.to_dict()["divergences"][0]["near_tie"] is True
@@ -317,7 +317,7 @@ def test_greedy_divergence_at_a_near_tie_passes_and_is_reported():
 
 def test_greedy_divergence_where_the_model_was_decisive_fails():
     reference = _logits()
-    eager, patched = _diverging_generations(eager_gap=1.0)
+    eager, patched = _diverging_generations(unpatched_gap=1.0)
     report = _compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched)
     assert not report.divergences[0].near_tie and not report.greedy_ok and not report.passed
     # The unpatched model's own prompt error widens the noise: an error of 0.5 makes a gap of 1.0 a near-tie.
@@ -377,7 +377,7 @@ def test_speed_figures_and_report(monkeypatch):
     assert speed["decode_speedup"] == 1.0 and speed["decode_gain_share"] is None  # no gain to share
 
     reference = _logits()
-    eager, patched = _diverging_generations(eager_gap=0.05)
+    eager, patched = _diverging_generations(unpatched_gap=0.05)
     parity_figures = _compare(reference.clone(), reference.clone(), reference, generation=eager,
                               patched_generation=patched).to_dict()
     report = {

@@ -102,7 +102,7 @@ def _scale_and_store(
 
 @triton.jit
 def norm_fwd_kernel(
-    X, RESIDUAL, W, B, Y, SUM_OUT, RSTD,
+    X, RESIDUAL, W, B, Y, SUM_OUT, STATS,
     n_rows, n_cols,
     stride_x, stride_res, stride_y, stride_sum,
     eps,
@@ -113,7 +113,7 @@ def norm_fwd_kernel(
 ):
     """One program normalises ``BLOCK_M`` rows. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
     layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
-    the residual sum (unused without residual); ``RSTD`` holds ``rstd`` for every row, followed by the row means
+    the residual sum (unused without residual); ``STATS`` holds ``rstd`` for every row, followed by the row means
     when ``CENTER``, written only with ``STORE_STATS`` (the backward's input: inference passes None)."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
@@ -186,9 +186,9 @@ def norm_fwd_kernel(
                              runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
                              ADD_AFTER)
     if STORE_STATS:
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        tl.store(STATS + rows, rstd, mask=row_mask)
         if CENTER:
-            tl.store(RSTD + n_rows + rows, mean, mask=row_mask)
+            tl.store(STATS + n_rows + rows, mean, mask=row_mask)
 
 
 @triton.jit
@@ -244,7 +244,7 @@ def _store_input_grad(
 
 @triton.jit
 def norm_bwd_kernel(
-    DY, DSUM, S, RSTD, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, n_row_blocks,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -274,9 +274,9 @@ def norm_bwd_kernel(
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
         if CENTER:
-            mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+            mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
         else:
             mean = rstd  # not read without CENTER
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
@@ -299,22 +299,21 @@ def norm_bwd_kernel(
 
 @triton.jit
 def row_dot_kernel(
-    DY, S, RSTD, W, C,
+    DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
     stride_dy, stride_s,
     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The wide backward's first kernel: for ``BLOCK_M`` rows, the row reductions every column of the input
-    gradient needs, ``c = mean(g * n)`` into ``C[rows]`` and, when ``CENTER``, ``mean(g)`` into
-    ``C[n_rows + rows]`` (``g = dy * w``, ``n`` the normalised row). It reads ``dy`` and the norm's input once;
-    ``column_bwd_kernel`` then makes the input gradient and the weight gradient in one more pass. The column
-    blocks are summed in the same order as the single-kernel loop's, so ``c`` is the same to the bit."""
+    gradient needs, ``c = mean(g * n)`` into ``ROW_MEANS[rows]`` and, when ``CENTER``, ``mean(g)`` into
+    ``ROW_MEANS[n_rows + rows]`` (``g = dy * w``, ``n`` the normalised row). It reads ``dy`` and the norm's
+    input once; ``column_bwd_kernel`` then makes the input gradient and the weight gradient in one more pass."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < n_rows
-    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
     if CENTER:
-        mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+        mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
     else:
         mean = rstd  # not read without CENTER
     dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -329,14 +328,14 @@ def row_dot_kernel(
         dot += g * n
         if CENTER:
             g_sum += g
-    tl.store(C + rows, tl.sum(dot, axis=1) / n_cols, mask=row_mask)
+    tl.store(ROW_MEANS + rows, tl.sum(dot, axis=1) / n_cols, mask=row_mask)
     if CENTER:
-        tl.store(C + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
+        tl.store(ROW_MEANS + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
 
 
 @triton.jit
 def column_bwd_kernel(
-    DY, DSUM, S, RSTD, C, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
     n_rows, n_cols, n_col_blocks, rows_per_group,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -362,17 +361,17 @@ def column_bwd_kernel(
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < last_row
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        c = tl.load(C + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
+        c = tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
         if CENTER:
-            mean = tl.load(RSTD + n_rows + rows, mask=row_mask, other=0.0)
+            mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
         else:
             mean = rstd  # not read without CENTER
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
         dx = g - n * c[:, None]
         if CENTER:
-            dx -= tl.load(C + n_rows + rows, mask=row_mask, other=0.0)[:, None]
+            dx -= tl.load(ROW_MEANS + n_rows + rows, mask=row_mask, other=0.0)[:, None]
         dx = dx * rstd[:, None]
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES)

@@ -339,16 +339,16 @@ def norm_backward(
         )
     else:
         # The rows' reductions first (mean(g * n), and mean(g) when centring), then every column from them.
-        reductions = torch.empty(((2 if flags["CENTER"] else 1) * n_rows,), dtype=torch.float32, device=device)
+        row_means = torch.empty(((2 if flags["CENTER"] else 1) * n_rows,), dtype=torch.float32, device=device)
         _launch(
             wrap_triton(row_dot_kernel) if is_traced(dy) else row_dot_kernel, n_row_blocks,
-            (dy2, s2, stats, weight, reductions, n_rows, n_cols, stride_dy, stride_s),
+            (dy2, s2, stats, weight, row_means, n_rows, n_cols, stride_dy, stride_s),
             dict(HAS_WEIGHT=weight is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n),
             plan.num_warps,
         )
         _launch(
             wrap_triton(column_bwd_kernel) if is_traced(dy) else column_bwd_kernel, grid,
-            (dy2, dsum2, s2, stats, reductions, weight, dx, dres, dw_partial, db_partial,
+            (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial,
              n_rows, n_cols, n_col_blocks, rows_per_group,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,

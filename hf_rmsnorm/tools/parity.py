@@ -82,17 +82,17 @@ class Divergence:
 
     row: int
     step: int
-    eager_token: int
+    unpatched_token: int
     patched_token: int
     # Each model's logit for its own token minus its logit for the other model's token.
-    eager_gap: float
+    unpatched_gap: float
     patched_gap: float
     noise: float
 
     @property
     def near_tie(self) -> bool:
         """Whether the eager model itself barely preferred its token: a legitimate flip."""
-        return self.eager_gap <= self.noise
+        return self.unpatched_gap <= self.noise
 
 
 @dataclass
@@ -109,13 +109,13 @@ class ParityReport:
     kl_mean: float
     kl_max: float
     # Both against the reference.
-    eager_max_err: float
-    eager_mean_err: float
+    unpatched_max_err: float
+    unpatched_mean_err: float
     patched_max_err: float
     patched_mean_err: float
     # Rule 2: positions where the reference is decisive, and top-1 misses there.
     decisive_positions: int
-    eager_top1_misses: int
+    unpatched_top1_misses: int
     patched_top1_misses: int
     # Fraction of logits bitwise equal, patched against eager.
     logits_equal_fraction: float
@@ -157,7 +157,7 @@ def _kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
     return (log_p.exp() * (log_p - log_q)).sum(-1)
 
 
-def divergences(eager: Generation, patched: Generation, dtype: torch.dtype, eager_max_err: float) -> list[Divergence]:
+def divergences(eager: Generation, patched: Generation, dtype: torch.dtype, unpatched_max_err: float) -> list[Divergence]:
     """Each row's first differing greedy token, with both models' logit gaps and the noise there (rule 3)."""
     found = []
     steps = min(eager.tokens.shape[1], patched.tokens.shape[1])
@@ -172,11 +172,11 @@ def divergences(eager: Generation, patched: Generation, dtype: torch.dtype, eage
         found.append(Divergence(
             row=row,
             step=step,
-            eager_token=mine,
+            unpatched_token=mine,
             patched_token=theirs,
-            eager_gap=float(eager_logits[mine] - eager_logits[theirs]),
+            unpatched_gap=float(eager_logits[mine] - eager_logits[theirs]),
             patched_gap=float(patched_logits[theirs] - patched_logits[mine]),
-            noise=max(a_priori, 2 * eager_max_err),
+            noise=max(a_priori, 2 * unpatched_max_err),
         ))
     return found
 
@@ -221,12 +221,12 @@ def compare(
         top1_agreement=float((patched.argmax(-1) == eager.argmax(-1)).double().mean()),
         kl_mean=float(kl.mean()),
         kl_max=float(kl.max()),
-        eager_max_err=float(eager_err.max()),
-        eager_mean_err=float(eager_err.mean()),
+        unpatched_max_err=float(eager_err.max()),
+        unpatched_mean_err=float(eager_err.mean()),
         patched_max_err=float(patched_err.max()),
         patched_mean_err=float(patched_err.mean()),
         decisive_positions=int(decisive.sum()),
-        eager_top1_misses=eager_misses,
+        unpatched_top1_misses=eager_misses,
         patched_top1_misses=patched_misses,
         logits_equal_fraction=equal,
         new_tokens=int(eager_generation.tokens.shape[1]),

@@ -113,10 +113,10 @@ def render(report: dict) -> str:
         f"reference = unpatched model in {par['reference_dtype']}",
         _table([
             ("", "unpatched", "patched"),
-            ("max |logit error| vs reference", _g(par["eager_max_err"]), _g(par["patched_max_err"])),
-            ("mean |logit error| vs reference", _g(par["eager_mean_err"]), _g(par["patched_mean_err"])),
+            ("max |logit error| vs reference", _g(par["unpatched_max_err"]), _g(par["patched_max_err"])),
+            ("mean |logit error| vs reference", _g(par["unpatched_mean_err"]), _g(par["patched_mean_err"])),
             (f"top-1 misses at {par['decisive_positions']} decisive positions",
-             str(par["eager_top1_misses"]), str(par["patched_top1_misses"])),
+             str(par["unpatched_top1_misses"]), str(par["patched_top1_misses"])),
         ]),
         "Patched vs unpatched",
         _table([
@@ -131,7 +131,7 @@ def render(report: dict) -> str:
         ], numeric=False),
     ]
     lines += [
-        f"  row {d['row']} first differs at token {d['step']}: unpatched gap {_g(d['eager_gap'])}, patched gap "
+        f"  row {d['row']} first differs at token {d['step']}: unpatched gap {_g(d['unpatched_gap'])}, patched gap "
         f"{_g(d['patched_gap'])}, noise {_g(d['noise'])}: {'a near-tie' if d['near_tie'] else 'NOT a near-tie'}"
         for d in par["divergences"]
     ]
@@ -170,7 +170,7 @@ def render(report: dict) -> str:
             ]),
             f"  {speed['norm_free_note']}: the most any norm kernel could save.",
         ]
-    eager_err, patched_err = par["eager_mean_err"], par["patched_mean_err"]
+    eager_err, patched_err = par["unpatched_mean_err"], par["patched_mean_err"]
     ratio = patched_err / eager_err if eager_err else (1.0 if patched_err == 0 else float("inf"))
     flips = len(par["divergences"])
     lines += [
