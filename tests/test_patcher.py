@@ -414,3 +414,22 @@ def test_layer_kinds_accept_the_cache_argument_under_either_name():
     assert kind.matches(tuple(p.format("past_key_values") for p in params))  # earlier releases
     assert not kind.matches(tuple(p.format("layer_past") for p in params))
     assert not kind.matches(tuple(p.format("cache") for p in params) + ("output_attentions",))
+
+
+def test_a_layer_kind_names_one_shape_that_copies_and_pickles_keep_and_that_checks_it():
+    """A shape is one object per class: a deep-copied or unpickled kind (patched models copy and pickle theirs)
+    keeps the very same one, so it still finds its fused class; each shape refuses attributes it cannot run."""
+    import copy
+    import pickle
+
+    from hf_rmsnorm.patch import shapes
+
+    kind = LayerKind("m.Layer", shape=shapes.PARALLEL, post_attention_norm=None)
+    for clone_ in (copy.deepcopy(kind), pickle.loads(pickle.dumps(kind))):
+        assert clone_ == kind and clone_.shape is shapes.PARALLEL
+    with pytest.raises(ValueError, match="a parallel LayerKind has no residual_scale"):
+        LayerKind("m.Layer", shape=shapes.PARALLEL, residual_scale="scale")
+    with pytest.raises(ValueError, match="a sequential LayerKind has no pre_mlp_norm or post_mlp_norm"):
+        LayerKind("m.Layer", pre_mlp_norm="pre_feedforward_layernorm")
+    with pytest.raises(ValueError, match="a post-norm LayerKind has a post_mlp_norm"):
+        LayerKind("m.Layer", shape=shapes.POST_NORM)

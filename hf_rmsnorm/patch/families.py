@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .shapes import PARALLEL, POST_NORM, SEQUENTIAL, LayerShape
+
 
 @dataclass(frozen=True)
 class NormKind:
@@ -64,30 +66,11 @@ class TokenMixer:
 
 @dataclass(frozen=True)
 class LayerKind:
-    """A pre-norm decoder layer whose forward is, with the attribute names below (an attribute set to None is
-    absent: no dropout, no scale)::
-
-        residual = h; h = input_norm(h); h, _ = attention(hidden_states=h, **every other argument)
-        h = residual + attention_dropout(h) * residual_scale
-        residual = h; h = post_attention_norm(h); h = mlp(h)
-        return residual + mlp_dropout(h) * residual_scale
-
-    or, with ``post_norm`` (OLMo2, OLMo3, Exaone4: the norms read the branch outputs, not the stream; Gemma2 and
-    Gemma3's "sandwich" adds ``input_norm`` and ``pre_mlp_norm`` before the branches)::
-
-        residual = h; h, _ = attention(hidden_states=input_norm(h), **every other argument)
-        h = residual + post_attention_norm(h)
-        residual = h; return residual + post_mlp_norm(mlp(pre_mlp_norm(h)))
-
-    or, with ``parallel`` (GPT-J, Phi, GPT-NeoX's parallel residual: both branches read the same ``h``)::
-
-        normed = input_norm(h); a, _ = attention(hidden_states=normed, **every other argument)
-        a = attention_dropout(a)
-        b = mlp_dropout(mlp(normed if post_attention_norm is None else post_attention_norm(h)))
-        return (a + b) + h
-
-    (the dropouts are called as the original does, also when inactive; ``residual_scale`` is sequential only).
-    ``attention_input`` is the keyword the normed states go to the attention by, None for positionally.
+    """A decoder layer of one of the shapes of ``shapes.py`` (sequential pre-norm, post-norm, parallel pre-norm),
+    with its attribute names (an attribute set to None is absent: no dropout, no scale, no norm there). The
+    shape's docstring gives the forward it stands for, in these names; ``residual_scale`` is the layer attribute
+    each sequential branch is multiplied by (Granite), and ``attention_input`` is the keyword the normed states
+    go to the attention by, None for positionally.
 
     ``forward_params`` is the original forward's parameter list, spelt as in transformers 5.24 (see
     ``CACHE_PARAM_SPELLINGS`` for the one name earlier releases spell differently); the patcher checks it at
@@ -119,10 +102,9 @@ class LayerKind:
     )
     unsupported_if: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
-    parallel: bool = False
+    shape: LayerShape = SEQUENTIAL
     attention_input: str | None = "hidden_states"
     mlp_output: str = "tensor"
-    post_norm: bool = False
     pre_mlp_norm: str | None = None
     post_mlp_norm: str | None = None
     mixer_switch: str | None = None
@@ -136,17 +118,9 @@ class LayerKind:
         return tuple(CACHE_PARAM if name in CACHE_PARAM_SPELLINGS else name for name in params) == self.forward_params
 
     def __post_init__(self) -> None:
-        if self.parallel and self.residual_scale is not None:
-            raise ValueError("a parallel LayerKind has no residual_scale")
-        if not self.parallel and self.post_attention_norm is None:
-            raise ValueError("a sequential LayerKind needs its post_attention_norm")
         if self.mlp_output not in ("tensor", "pair", "pair if tuple"):
             raise ValueError(f"unknown mlp_output {self.mlp_output!r}")
-        if self.post_norm and (self.post_mlp_norm is None or self.parallel or self.residual_scale
-                               or self.attention_dropout or self.mlp_dropout):
-            raise ValueError("a post-norm LayerKind has a post_mlp_norm and no dropouts or scale")
-        if self.pre_mlp_norm is not None and not self.post_norm:
-            raise ValueError("only a post-norm LayerKind has a pre_mlp_norm")
+        self.shape.validate(self)
 
     def mixer_for(self, switch_value: object) -> TokenMixer | None:
         """The token mixer a hybrid layer runs for ``switch_value``, None for an unknown value."""
@@ -297,7 +271,7 @@ FAMILIES: tuple[Family, ...] = (
     # end their layers with a norm of the branch, so nothing is fused across layers.
     Family(
         name="OLMo2",
-        layers=(LayerKind(f"{_M}.olmo2.modeling_olmo2.Olmo2DecoderLayer", input_norm=None, post_norm=True,
+        layers=(LayerKind(f"{_M}.olmo2.modeling_olmo2.Olmo2DecoderLayer", input_norm=None, shape=POST_NORM,
                           post_mlp_norm="post_feedforward_layernorm"),),
     ),
     # Sandwich layers: a norm before and after each branch. The adds after the branches are fused with the norms
@@ -305,14 +279,14 @@ FAMILIES: tuple[Family, ...] = (
     # kernel).
     *(
         Family(name=name, layers=(LayerKind(
-            f"{_M}.{package}.modeling_{package}.{prefix}DecoderLayer", post_norm=True,
+            f"{_M}.{package}.modeling_{package}.{prefix}DecoderLayer", shape=POST_NORM,
             pre_mlp_norm="pre_feedforward_layernorm", post_mlp_norm="post_feedforward_layernorm",
             forward_params=("hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
         ),))
         for name, package, prefix in (("Gemma2", "gemma2", "Gemma2"), ("Gemma3", "gemma3", "Gemma3"))
     ),
     Family(name="GLM4", layers=(LayerKind(
-        f"{_M}.glm4.modeling_glm4.Glm4DecoderLayer", post_norm=True, post_attention_norm="post_self_attn_layernorm",
+        f"{_M}.glm4.modeling_glm4.Glm4DecoderLayer", shape=POST_NORM, post_attention_norm="post_self_attn_layernorm",
         pre_mlp_norm="post_attention_layernorm", post_mlp_norm="post_mlp_layernorm",
     ),)),
     # Models whose layers are Llama's code (recognised by it), with a model forward that differs from Llama's only
@@ -363,7 +337,7 @@ FAMILIES: tuple[Family, ...] = (
                 **gate,
             )
             for gate in ({"unsupported_if": ("use_parallel_residual",)},
-                         {"parallel": True, "requires": ("use_parallel_residual",)})
+                         {"shape": PARALLEL, "requires": ("use_parallel_residual",)})
         ),
         stacks=(StackKind(
             f"{_M}.gpt_neox.modeling_gpt_neox.GPTNeoXModel", final_norm="final_layer_norm",
@@ -382,7 +356,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="Phi",
         layers=(LayerKind(
-            f"{_M}.phi.modeling_phi.PhiDecoderLayer", post_attention_norm=None, parallel=True,
+            f"{_M}.phi.modeling_phi.PhiDecoderLayer", post_attention_norm=None, shape=PARALLEL,
             attention_dropout="resid_dropout", mlp_dropout="resid_dropout",
         ),),
         stacks=(StackKind(
@@ -402,7 +376,7 @@ FAMILIES: tuple[Family, ...] = (
         name="GPT-J",
         layers=(LayerKind(
             f"{_M}.gptj.modeling_gptj.GPTJBlock", input_norm="ln_1", attention="attn",
-            post_attention_norm=None, parallel=True,
+            post_attention_norm=None, shape=PARALLEL,
         ),),
         stacks=(StackKind(
             f"{_M}.gptj.modeling_gptj.GPTJModel", layers="h", final_norm="ln_f",

@@ -1,5 +1,5 @@
-"""The fused behaviour of patched modules: norms that take a residual, one generic pre-norm layer body (and its
-parallel variant), and stacks that let their layers hand the next norm over (``handoff.py``).
+"""The fused behaviour of patched modules: norms that take a residual, decoder layers that run the fused body of
+their shape (``shapes.py``), and stacks that let their layers hand the next norm over (``handoff.py``).
 
 A patched module keeps its object, parameters and attribute paths; only its class changes, to a subclass of
 the original made here (cached, same ``__name__``, ``__qualname__`` and ``__module__``) whose ``forward`` calls
@@ -49,11 +49,7 @@ def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
                 _hf_rmsnorm_checked_forward=staticmethod(base.forward),
             )
         else:
-            body = (
-                _parallel_layer_forward if kind.parallel else _post_norm_layer_forward if kind.post_norm
-                else _layer_forward
-            )
-            namespace["forward"] = _forward_like(body, base.forward)
+            namespace["forward"] = _forward_like(kind.shape.body, base.forward)
             # The original's own argument names (the cache one changed across transformers releases): positional
             # arguments go on to the attention under these, as the original passes them.
             namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
@@ -162,107 +158,3 @@ def _stack_forward(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
     finally:
         handoff.leave(token)
-
-
-def _layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """The sequential pre-norm decoder layer of ``LayerKind``, with the residual adds inside the norm kernels."""
-    kind: LayerKind = self._hf_rmsnorm_kind
-    residual = hidden_states
-    hidden_states = _attend(self, kind, getattr(self, kind.input_norm)(hidden_states), args, kwargs)
-
-    post_attention_norm = getattr(self, kind.post_attention_norm)
-    if _dropout_active(self, kind.attention_dropout):
-        residual = residual + _scaled(self, kind, getattr(self, kind.attention_dropout)(hidden_states))
-        hidden_states = post_attention_norm(residual)
-    else:
-        hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
-    hidden_states = getattr(self, kind.mlp)(hidden_states)
-    if kind.mlp_output == "pair" or (kind.mlp_output == "pair if tuple" and isinstance(hidden_states, tuple)):
-        hidden_states, _ = hidden_states
-    if kind.mlp_output_as_residual:
-        hidden_states = hidden_states.view(residual.shape)
-
-    if _dropout_active(self, kind.mlp_dropout):
-        return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
-    return _add_residual(self, _scaled(self, kind, hidden_states), residual)
-
-
-def _post_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """The post-norm decoder layer of ``LayerKind`` (OLMo2; with norms before the branches too, Gemma2's
-    sandwich): each branch's norm and the residual add after it in one kernel."""
-    kind: LayerKind = self._hf_rmsnorm_kind
-    residual = hidden_states
-    if kind.input_norm is not None:
-        hidden_states = getattr(self, kind.input_norm)(hidden_states)
-    hidden_states = _attend(self, kind, hidden_states, args, kwargs)
-    hidden_states = getattr(self, kind.post_attention_norm)(hidden_states, add_to=residual)
-    mlp_input = hidden_states if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)(hidden_states)
-    return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(mlp_input), add_to=hidden_states)
-
-
-def _parallel_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """The parallel pre-norm block of ``LayerKind`` (both branches read the same input): the original's calls
-    in the original's order (the dropouts draw random numbers), then ``(attention + mlp) + residual``, whose
-    add goes into the next norm's kernel in inference (the branch sum is computed first, as the original does;
-    NeoX's ``mlp + attention`` is the same IEEE sum)."""
-    kind: LayerKind = self._hf_rmsnorm_kind
-    residual = hidden_states
-    normed = getattr(self, kind.input_norm)(hidden_states)
-    attention = _dropped(self, kind.attention_dropout, _attend(self, kind, normed, args, kwargs))
-    if kind.post_attention_norm is not None:
-        normed = getattr(self, kind.post_attention_norm)(residual)
-    mlp = _dropped(self, kind.mlp_dropout, getattr(self, kind.mlp)(normed))
-    return _add_residual(self, attention + mlp, residual)
-
-
-def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwargs: dict) -> Tensor:
-    """The attention branch: every layer argument but the hidden states goes to the attention by name, as the
-    original forward passes it; the normed states by ``kind.attention_input`` (or positionally)."""
-    if args:
-        names = type(layer)._hf_rmsnorm_arg_names
-        if len(args) > len(names):
-            raise TypeError(f"{type(layer).__name__}.forward takes at most {len(names) + 1} positional arguments")
-        kwargs.update(zip(names, args))
-    name, returns_pair, dropped = kind.attention, True, kind.attention_dropped_args
-    if kind.mixer_switch is not None:  # a hybrid layer: the token mixer its switch names (checked when patching)
-        mixer = kind.mixer_for(getattr(layer, kind.mixer_switch))
-        name, returns_pair, dropped = mixer.attribute, mixer.returns_pair, mixer.dropped_args
-    for arg in dropped:
-        kwargs.pop(arg, None)
-    attention = getattr(layer, name)
-    if kind.attention_input is None:
-        output = attention(normed, **kwargs)
-    else:
-        output = attention(**{kind.attention_input: normed}, **kwargs)
-    if returns_pair:
-        output, _ = output
-    return output
-
-
-def _add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
-    """``residual + branch``, the layer's output; in inference, when allowed, from the next norm's kernel, which
-    also computes that norm of it and hands it over (``handoff.py``)."""
-    target = handoff.target_of(layer, branch)
-    if target is None:
-        return residual + branch
-    normed, hidden_states = target.norm(branch, residual=residual)
-    handoff.put(target.norm, hidden_states, normed)
-    return hidden_states
-
-
-def _dropped(layer: nn.Module, name: str | None, branch: Tensor) -> Tensor:
-    # Called whenever the original calls it (active or not), so the random stream is the original's.
-    return branch if name is None else getattr(layer, name)(branch)
-
-
-def _scaled(layer: nn.Module, kind: LayerKind, branch: Tensor) -> Tensor:
-    # Rounded to the branch's dtype before the add, exactly as `residual + h * multiplier` rounds.
-    return branch if kind.residual_scale is None else branch * getattr(layer, kind.residual_scale)
-
-
-def _dropout_active(layer: nn.Module, name: str | None) -> bool:
-    """A residual dropout that would change its input (a fused add is exact only when it would not)."""
-    if name is None:
-        return False
-    dropout = getattr(layer, name)
-    return dropout.training and dropout.p > 0

@@ -381,13 +381,9 @@ def _plan_layers(
             continue
         layers[layer] = (name, kind)
         plan.swaps.append((layer, kind))
-        if not kind.parallel:
+        for label, norm, dropout in kind.shape.inner_adds(kind):
             plan.report.fused_adds.append(
-                f"{name}: attention residual -> {norms[getattr(layer, kind.post_attention_norm)]}"
-                + _while_inactive(kind.attention_dropout)
-            )
-        if kind.post_norm:
-            plan.report.fused_adds.append(f"{name}: mlp residual -> {norms[getattr(layer, kind.post_mlp_norm)]}")
+                f"{name}: {label} -> {norms[getattr(layer, norm)]}" + _while_inactive(dropout))
     return layers
 
 
@@ -411,12 +407,9 @@ def _plan_handoffs(
         plan.attrs.append((stack, fused.LINKS_ATTR, links))
         for layer, target in links.items():
             layer_name, layer_kind = layers[layer]
-            plan.report.fused_adds.append(
-                # A parallel block's dropouts act on its branches before the add, so they never stop the fusion.
-                f"{layer_name}: parallel residual -> {norms[target.norm]}" if layer_kind.parallel else
-                f"{layer_name}: mlp residual -> {norms[target.norm]}"
-                + _while_inactive(layer_kind.mlp_dropout)
-            )
+            shape = layer_kind.shape
+            plan.report.fused_adds.append(f"{layer_name}: {shape.handoff_label} -> {norms[target.norm]}"
+                                          + _while_inactive(shape.handoff_dropout(layer_kind)))
 
 
 def _stack_links(
@@ -430,8 +423,8 @@ def _stack_links(
         return {}
     links = {}
     for i, layer in enumerate(layer_list):
-        # A post-norm layer's adds are fused inside it, and the next layer does not begin with a norm.
-        if layer not in layers or layers[layer][1].post_norm:
+        # A layer whose shape fuses its last add inside it (post-norm) hands nothing on.
+        if layer not in layers or not layers[layer][1].shape.hands_off_last_add:
             continue
         if i + 1 < len(layer_list):
             consumer = layer_list[i + 1]
@@ -517,16 +510,15 @@ def _layer_problem(layer: nn.Module, kind: LayerKind, norms: dict[nn.Module, str
     for attr in (attention, kind.mlp):
         if not isinstance(getattr(layer, attr, None), nn.Module):
             return f"it has no {attr} module"
-    body = "parallel" if kind.parallel else "sequential"
     for attr in kind.unsupported_if:
         if getattr(layer, attr, None):
-            return f"its {attr} makes it more than a {body} pre-norm block"
+            return f"its {attr} makes it more than a {kind.shape.block}"
     for attr in kind.requires:
         if not getattr(layer, attr, None):
-            return f"it is not a {body} pre-norm block without {attr}"
+            return f"it is not a {kind.shape.block} without {attr}"
     for attr in (kind.attention_dropout, kind.mlp_dropout):
         if attr is not None and not isinstance(getattr(layer, attr, None), nn.Dropout):
             return f"{attr} is not an nn.Dropout"
     if kind.residual_scale is not None and not isinstance(getattr(layer, kind.residual_scale, None), (int, float)):
         return f"{kind.residual_scale} is not a number"
-    return None
+    return kind.shape.problem(layer, kind)
