@@ -127,9 +127,11 @@ def _writer_means(w: Writer) -> tuple[Tensor, Tensor | None]:
     return weight_mean, bias_mean
 
 
-def plan_layernorms(root: nn.Module, stacks: dict[type, tuple[str, StackKind]], layernorm: str) -> LayerNormPlan:
-    """Finds the stacks of LayerNorm families in ``root`` and plans what happens to their LayerNorms (nothing is
-    changed). ``stacks`` is the registry's stack table.
+def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module]], stacks: dict[type, tuple[str, StackKind]],
+                    layernorm: str) -> LayerNormPlan:
+    """Finds the stacks of LayerNorm families among ``modules`` (the patcher's walk of the model called
+    ``model_name``: every module with its name) and plans what happens to their LayerNorms (nothing is changed).
+    ``stacks`` is the registry's stack table.
 
     Raises:
         ValueError: ``layernorm`` is not one of ``LAYERNORM_CHOICES``.
@@ -139,7 +141,7 @@ def plan_layernorms(root: nn.Module, stacks: dict[type, tuple[str, StackKind]], 
         raise ValueError(f"layernorm must be one of {', '.join(map(repr, LAYERNORM_CHOICES))}, got {layernorm!r}")
     plan = LayerNormPlan()
     problems = []
-    for name, module in root.named_modules():
+    for name, module in modules:
         family, kind = stacks.get(type(module), (None, None))
         if kind is None or kind.stream is None:
             continue
@@ -148,14 +150,14 @@ def plan_layernorms(root: nn.Module, stacks: dict[type, tuple[str, StackKind]], 
                 if isinstance(m, nn.LayerNorm):
                     plan.skipped[m] = "LayerNorm left alone on request (layernorm='skip')"
         elif layernorm == "fuse":
-            _plan_norms(plan, family, module, kind, LAYERNORM, hidden=None)
+            _plan_stream_norms(plan, family, module, kind, LAYERNORM, hidden=None)
         elif problem := _conversion_problem(module, kind):
             problems.append(f"{name or type(module).__name__} ({family}): {problem}")
         else:
             _plan_conversion(plan, family, name, module, kind)
     if problems:
         raise UnconvertibleModelError(
-            f"cannot convert {type(root).__name__}'s LayerNorms to RMSNorm exactly: {'; '.join(problems)}. "
+            f"cannot convert {model_name}'s LayerNorms to RMSNorm exactly: {'; '.join(problems)}. "
             "patch_model(model) without layernorm='rmsnorm' runs them as exact fused LayerNorms"
         )
     return plan
@@ -176,8 +178,8 @@ def _readers(stack: nn.Module, kind: StackKind) -> dict[nn.Module, str]:
     return readers
 
 
-def _plan_norms(plan: LayerNormPlan, family: str, stack: nn.Module, kind: StackKind, norm_kind: NormKind,
-                hidden: int | None) -> None:
+def _plan_stream_norms(plan: LayerNormPlan, family: str, stack: nn.Module, kind: StackKind, norm_kind: NormKind,
+                       hidden: int | None) -> None:
     """Plans ``norm_kind`` for every reader of the stream that takes it, and reports the other LayerNorms."""
     readers = _readers(stack, kind)
     for module in readers:
@@ -195,7 +197,7 @@ def _plan_conversion(plan: LayerNormPlan, family: str, name: str, stack: nn.Modu
     prefix = f"{name}." if name else ""
     layers = getattr(stack, kind.layers)
     hidden = getattr(stack, kind.final_norm).normalized_shape[-1]
-    _plan_norms(plan, family, stack, kind, LAYERNORM_AS_RMSNORM, hidden)
+    _plan_stream_norms(plan, family, stack, kind, LAYERNORM_AS_RMSNORM, hidden)
     plan.entrances[layers[0]] = f"{prefix}{kind.layers}.0"
     for i, layer in enumerate(layers):
         for path, writer in _writers(layer, kind.stream):

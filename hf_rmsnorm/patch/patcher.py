@@ -41,6 +41,8 @@ class _PatchState:
 
 @dataclass
 class _Plan:
+    # Every module of the model with its qualified name: the one walk the plan is made from.
+    modules: list[tuple[str, nn.Module]]
     report: PatchReport
     layernorms: LayerNormPlan
     swaps: list[tuple[nn.Module, NormKind | LayerKind | StackKind]] = field(default_factory=list)
@@ -233,9 +235,9 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
     model_type = getattr(getattr(root, "config", None), "model_type", None)
     if model_type:
         model_name += f" (model_type {model_type!r})"
-    norms = {name: type(m).__name__ for name, m in root.named_modules() if _is_norm_like(m)}
+    norms = {name: type(m).__name__ for name, m in plan.modules if _is_norm_like(m)}
     found = sorted(set(norms.values()))
-    has_layernorm = any(isinstance(m, nn.LayerNorm) for m in root.modules())
+    has_layernorm = any(isinstance(m, nn.LayerNorm) for _, m in plan.modules)
     if layernorm == "rmsnorm" and has_layernorm:
         raise UnconvertibleModelError(
             f"{model_name} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported family (post-LN "
@@ -269,23 +271,24 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
     MLP residual sum to which norm, and what happens to the LayerNorms."""
     reg = registry()
-    layernorms = plan_layernorms(root, reg.stacks, layernorm)
+    modules = list(root.named_modules())
+    layernorms = plan_layernorms(type(root).__name__, modules, reg.stacks, layernorm)
     report = PatchReport(
         centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()), backend=_backend_of(root)
     )
-    plan = _Plan(report, layernorms)
+    plan = _Plan(modules, report, layernorms)
     norms, layer_candidates, stacks, unknown_layers = _plan_norms(root, reg, plan)
     layers = _plan_layers(layer_candidates, norms, plan)
     _report_unknown_layers(unknown_layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
-    _plan_hub_forwards(root, plan)
+    _plan_hub_forwards(plan)
     return plan
 
 
 def _plan_norms(root: nn.Module, reg, plan: _Plan):
-    """Walks ``root`` once: plans the norm swaps, reports every norm-like module left alone, and returns the
-    patched norms (module -> name), the decoder layers and the layer stacks of known or recognised classes, and
-    the other decoder layers (``recognition.py`` explains what is recognised)."""
+    """Classifies every module of the walk: plans the norm swaps, reports every norm-like module left alone, and
+    returns the patched norms (module -> name), the decoder layers and the layer stacks of known or recognised
+    classes, and the other decoder layers (``recognition.py`` explains what is recognised)."""
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[str, nn.Module, StackKind]] = []
@@ -305,7 +308,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
         if family not in plan.report.families:
             plan.report.families.append(family)
 
-    for name, module in root.named_modules():
+    for name, module in plan.modules:
         cls = type(module)
         if fused.original_class(module) is not None:
             plan.already_patched += 1
@@ -465,11 +468,11 @@ def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     return None
 
 
-def _plan_hub_forwards(root: nn.Module, plan: _Plan) -> None:
+def _plan_hub_forwards(plan: _Plan) -> None:
     """Records the hub-kernel forward of each planned module that runs one in place of its class's, for
     ``patch_model`` to set aside, and names its hub layer in the report."""
     planned = {module for module, _ in plan.swaps}
-    for name, module in root.named_modules():
+    for name, module in plan.modules:
         forward = hub_forward(module) if module in planned else None
         if forward is not None:
             plan.hub_forwards[module] = forward
