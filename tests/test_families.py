@@ -40,8 +40,9 @@ FAMILIES = {
     "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
     "exaone4": ({}, 9, 4),
     # Cohere's own LayerNorm class (mean-centred, no bias), recognised in the layernorm mode; its parallel layer
-    # adds (residual + attention) + mlp, a shape not described, so its adds stay unfused.
-    "cohere": ({}, 3, 0),
+    # adds (residual + attention) + mlp: the second add of each layer goes into the next norm's kernel.
+    "cohere": ({}, 3, 2),
+    "cohere2": (dict(sliding_window=4), 3, 2),
     # Multi-head latent attention: the rotary part of a head is head_dim.
     "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
@@ -49,7 +50,8 @@ FAMILIES = {
 }
 # The casting mode each family's norms are recognised in (docs/numerics.md's table).
 MODES = {"qwen3_next": "gemma", "qwen3_5_text": "gemma", "gemma3_text": "gemma", "olmo3": "fp32_affine",
-         "nanochat": "llama", "mixtral": "llama", "deepseek_v3": "llama", "cohere": "layernorm"}
+         "nanochat": "llama", "mixtral": "llama", "deepseek_v3": "llama", "cohere": "layernorm",
+         "cohere2": "layernorm"}
 
 
 def _logits(model, ids):
@@ -94,7 +96,7 @@ def test_recognised_families_patch_with_parity(model_type):
 @pytest.mark.parametrize(
     "model_type",
     ["qwen3_next", "qwen3_5_text", "olmo2", "gemma2", "gemma3_text", "glm4", "nanochat", "mixtral", "gpt_oss",
-     "llama4_text"],
+     "llama4_text", "cohere"],
 )
 def test_generation_with_a_cache_is_unchanged(model_type):
     """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies
@@ -108,6 +110,26 @@ def test_generation_with_a_cache_is_unchanged(model_type):
         patch_model(model)
         patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
     assert torch.equal(patched, eager)
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2"])
+def test_a_residual_first_parallel_layer_trains_like_the_original(model_type):
+    """Cohere's (h + attention) + mlp with its second add in the next norm's kernel, with autograd on: the loss
+    and every gradient as the unpatched model's, to fp32 rounding."""
+    overrides = FAMILIES[model_type][0]
+    model = tiny_model(model_type, **overrides).train()
+    patched = copy.deepcopy(model)
+    assert len(patch_model(patched).fused_adds) == 2
+    ids = input_ids()
+    losses, grads = [], []
+    for m in (model, patched):
+        loss = m(ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: p.grad for name, p in m.named_parameters()})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_weightless_norm_keeps_the_state_dict_and_trains():

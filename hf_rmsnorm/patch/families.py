@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .shapes import PARALLEL, POST_NORM, SEQUENTIAL, LayerShape
+from .shapes import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, SEQUENTIAL, LayerShape
 
 
 @dataclass(frozen=True)
@@ -267,6 +267,24 @@ FAMILIES: tuple[Family, ...] = (
     _hybrid("Qwen3-Next", "qwen3_next", "Qwen3Next", "Qwen3NextModel", "pair if tuple"),
     _hybrid("Qwen3.5", "qwen3_5", "Qwen3_5", "Qwen3_5TextModel", "tensor"),
     _hybrid("Qwen3.5-MoE", "qwen3_5_moe", "Qwen3_5Moe", "Qwen3_5MoeTextModel", "pair if tuple"),
+    # Cohere's parallel block adds the attention to the stream before the MLP, (h + attention) + mlp; its own
+    # mean-centred LayerNorm classes are recognised by their numerics (the layernorm mode). Cohere2's layer takes
+    # its arguments in another order and gives its attention no position_ids.
+    Family(
+        name="Cohere",
+        layers=(LayerKind(f"{_M}.cohere.modeling_cohere.CohereDecoderLayer", post_attention_norm=None,
+                          shape=PARALLEL_RESIDUAL_FIRST),),
+        stacks=(StackKind(f"{_M}.cohere.modeling_cohere.CohereModel"),),
+    ),
+    Family(
+        name="Cohere2",
+        layers=(LayerKind(
+            f"{_M}.cohere2.modeling_cohere2.Cohere2DecoderLayer", post_attention_norm=None,
+            shape=PARALLEL_RESIDUAL_FIRST,
+            forward_params=("hidden_states", "position_embeddings", "attention_mask", "cache", "use_cache"),
+        ),),
+        stacks=(StackKind(f"{_M}.cohere2.modeling_cohere2.Cohere2Model"),),
+    ),
     # Post-norm layers (OLMo3's and Exaone4's are the same code, recognised by it); the models of these families
     # end their layers with a norm of the branch, so nothing is fused across layers.
     Family(

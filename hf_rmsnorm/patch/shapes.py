@@ -125,6 +125,16 @@ def _dropout_active(layer: nn.Module, name: str | None) -> bool:
     return dropout.training and dropout.p > 0
 
 
+def _parallel_residual_first_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The parallel block of ``ParallelResidualFirst`` (Cohere): ``(residual + attention) + mlp``, the first add
+    as the original rounds it, the second in the next norm's kernel in a handoff."""
+    kind: LayerKind = self._hf_rmsnorm_kind
+    residual = hidden_states
+    normed = getattr(self, kind.input_norm)(hidden_states)
+    attention = _attend(self, kind, normed, args, kwargs)
+    return _add_residual(self, getattr(self, kind.mlp)(normed), residual + attention)
+
+
 class LayerShape:
     """What every shape provides (one instance each, pickled and copied by name)."""
 
@@ -239,4 +249,29 @@ class Parallel(LayerShape):
     body = staticmethod(_parallel_body)
 
 
+class ParallelResidualFirst(LayerShape):
+    """Parallel pre-norm whose sum adds the attention to the stream before the MLP (Cohere, Cohere2)::
+
+        normed = input_norm(h); a, _ = attention(hidden_states=normed, **every other argument)
+        return (h + a) + mlp(normed)
+
+    The second add goes into the next norm's kernel; the first stays a separate op, rounded as the original
+    rounds it."""
+
+    name = "parallel_residual_first"
+    block = "parallel pre-norm block"
+    handoff_label = "parallel residual"
+
+    def validate(self, kind: LayerKind) -> None:
+        super().validate(kind)
+        if kind.post_attention_norm or kind.residual_scale or kind.attention_dropout or kind.mlp_dropout:
+            raise ValueError("a parallel_residual_first LayerKind has one norm and no dropouts or scale")
+
+    def handoff_dropout(self, kind: LayerKind) -> str | None:
+        return None
+
+    body = staticmethod(_parallel_residual_first_body)
+
+
 SEQUENTIAL, POST_NORM, PARALLEL = Sequential(), PostNorm(), Parallel()
+PARALLEL_RESIDUAL_FIRST = ParallelResidualFirst()
