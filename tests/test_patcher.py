@@ -424,9 +424,12 @@ def test_a_layer_kind_names_one_shape_that_copies_and_pickles_keep_and_that_chec
 
     from hf_rmsnorm.patch import shapes
 
-    kind = LayerKind("m.Layer", shape=shapes.PARALLEL, post_attention_norm=None)
-    for clone_ in (copy.deepcopy(kind), pickle.loads(pickle.dumps(kind))):
-        assert clone_ == kind and clone_.shape is shapes.PARALLEL
+    for shape, fields in ((shapes.SEQUENTIAL, {}), (shapes.PARALLEL, {"post_attention_norm": None}),
+                          (shapes.POST_NORM, {"post_mlp_norm": "post_feedforward_layernorm"}),
+                          (shapes.PARALLEL_RESIDUAL_FIRST, {"post_attention_norm": None})):
+        kind = LayerKind("m.Layer", shape=shape, **fields)
+        for clone_ in (copy.deepcopy(kind), pickle.loads(pickle.dumps(kind))):
+            assert clone_ == kind and clone_.shape is shape
     with pytest.raises(ValueError, match="a parallel LayerKind has no residual_scale"):
         LayerKind("m.Layer", shape=shapes.PARALLEL, residual_scale="scale")
     with pytest.raises(ValueError, match="a sequential LayerKind has no pre_mlp_norm or post_mlp_norm"):

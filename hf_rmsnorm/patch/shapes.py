@@ -136,7 +136,8 @@ def _parallel_residual_first_body(self, hidden_states: Tensor, *args, **kwargs) 
 
 
 class LayerShape:
-    """What every shape provides (one instance each, pickled and copied by name)."""
+    """What every shape provides (one instance each, the module attribute ``name.upper()``, pickled and copied by
+    that name)."""
 
     name: str
     body: Callable[..., Tensor]
@@ -167,11 +168,12 @@ class LayerShape:
         return kind.mlp_dropout
 
     def __reduce__(self) -> str:
-        # Pickled by reference to the module-level instance: a copy of a LayerKind keeps the very same shape.
-        return type(self).__name__.upper()
+        # Pickled by reference to the module-level instance, named after the shape: a copy of a LayerKind keeps
+        # the very same shape.
+        return self.name.upper()
 
     def __repr__(self) -> str:
-        return f"shapes.{type(self).__name__.upper()}"
+        return f"shapes.{self.name.upper()}"
 
 
 class Sequential(LayerShape):
