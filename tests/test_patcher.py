@@ -11,8 +11,8 @@ import torch
 from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model, without_layer_fusion
 
 from hf_rmsnorm import UnsupportedModelError, check_model, patch_model, unpatch_model
-from hf_rmsnorm.patch import patcher
-from hf_rmsnorm.patch.families import LayerKind, registry
+from hf_rmsnorm.patch import fused, patcher
+from hf_rmsnorm.patch.families import LayerKind, Registry, registry
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Largest difference from the eager model, relative to the largest |value|: two ulps of the dtype, a bit more
@@ -436,3 +436,19 @@ def test_a_layer_kind_names_one_shape_that_copies_and_pickles_keep_and_that_chec
         LayerKind("m.Layer", pre_mlp_norm="pre_feedforward_layernorm")
     with pytest.raises(ValueError, match="a post-norm LayerKind has a post_mlp_norm"):
         LayerKind("m.Layer", shape=shapes.POST_NORM)
+
+
+def test_a_parallel_layer_no_known_model_forward_runs_keeps_its_class_and_says_why(monkeypatch):
+    """A parallel block fuses its one add only into the next norm's kernel, through its model's forward: where
+    that forward is not a known one's, the layer keeps its class (patched, it would run the same unfused add) and
+    the report says why."""
+    model = tiny_model("cohere")
+    full = registry()  # after the model is built: the registry holds the classes of imported modeling modules
+    monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, full.layers, {}))
+    monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
+    report = patch_model(model)
+    assert len(report.norms) == 3 and not report.fused_adds
+    assert all(fused.original_class(layer) is None for layer in model.model.layers)
+    assert dict(report.skipped)["model.layers.0"] == (
+        "residual adds not fused: a parallel pre-norm block's add can only go into the next norm's kernel, and no "
+        "model forward of known code runs this layer")

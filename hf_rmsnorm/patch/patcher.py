@@ -281,6 +281,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     layers = _plan_layers(layer_candidates, norms, plan)
     _report_unknown_layers(unknown_layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
+    _unplan_layers_fusing_nothing(layers, plan)
     _plan_hub_forwards(plan)
     return plan
 
@@ -413,6 +414,18 @@ def _plan_handoffs(
             shape = layer_kind.shape
             plan.report.fused_adds.append(f"{layer_name}: {shape.handoff_label} -> {norms[target.norm]}"
                                           + _while_inactive(shape.handoff_dropout(layer_kind)))
+
+
+def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan) -> None:
+    """Keeps the original class of a layer whose shape fuses no add inside it (a parallel block) when no stack
+    links it to a next norm either: patched, it would run its adds unfused all the same, and say nothing."""
+    linked = {layer for _, attr, links in plan.attrs if attr == fused.LINKS_ATTR for layer in links}
+    for layer, (name, kind) in layers.items():
+        if not kind.shape.inner_adds(kind) and layer not in linked:
+            plan.swaps.remove((layer, kind))
+            plan.report.skipped.append((name, f"residual adds not fused: a {kind.shape.block}'s add can only go "
+                                              "into the next norm's kernel, and no model forward of known code "
+                                              "runs this layer"))
 
 
 def _stack_links(
