@@ -229,6 +229,29 @@ def _input_grad_tile(
 
 
 @triton.jit
+def _load_stats(STATS, rows, row_mask, n_rows, CENTER: tl.constexpr):
+    """A pair of per-row statistics stored one after the other: ``STATS[rows]`` and, when ``CENTER``,
+    ``STATS[n_rows + rows]`` (rstd and the mean; or, for the wide backward, mean(g * n) and mean(g)). Without
+    ``CENTER`` the second is the first again, never read."""
+    first = tl.load(STATS + rows, mask=row_mask, other=0.0)
+    if CENTER:
+        second = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
+    else:
+        second = first
+    return first, second
+
+
+@triton.jit
+def _input_grad(g, n, c, g_mean, rstd, CENTER: tl.constexpr):
+    """The norm's input gradient from its row reductions ``c = mean(g * n)`` and, when ``CENTER``,
+    ``g_mean = mean(g)``: ``(g - n * c - g_mean) * rstd``."""
+    dx = g - n * c[:, None]
+    if CENTER:
+        dx -= g_mean[:, None]
+    return dx * rstd[:, None]
+
+
+@triton.jit
 def _store_input_grad(
     dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr,
@@ -274,17 +297,14 @@ def norm_bwd_kernel(
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
-        if CENTER:
-            mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
-        else:
-            mean = rstd  # not read without CENTER
+        rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-        dx = g - n * (tl.sum(g * n, axis=1) / n_cols)[:, None]
         if CENTER:
-            dx -= (tl.sum(g, axis=1) / n_cols)[:, None]
-        dx = dx * rstd[:, None]
+            g_mean = tl.sum(g, axis=1) / n_cols
+        else:
+            g_mean = rstd  # not read without CENTER
+        dx = _input_grad(g, n, tl.sum(g * n, axis=1) / n_cols, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES)
         if HAS_WEIGHT:
@@ -311,11 +331,7 @@ def row_dot_kernel(
     input once; ``column_bwd_kernel`` then makes the input gradient and the weight gradient in one more pass."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < n_rows
-    rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
-    if CENTER:
-        mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
-    else:
-        mean = rstd  # not read without CENTER
+    rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
     dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_N):
@@ -361,18 +377,11 @@ def column_bwd_kernel(
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < last_row
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
-        c = tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
-        if CENTER:
-            mean = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
-        else:
-            mean = rstd  # not read without CENTER
+        rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
+        c, g_mean = _load_stats(ROW_MEANS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-        dx = g - n * c[:, None]
-        if CENTER:
-            dx -= tl.load(ROW_MEANS + n_rows + rows, mask=row_mask, other=0.0)[:, None]
-        dx = dx * rstd[:, None]
+        dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES)
         if HAS_WEIGHT:

@@ -251,7 +251,7 @@ class Parallel(LayerShape):
     body = staticmethod(_parallel_body)
 
 
-class ParallelResidualFirst(LayerShape):
+class ParallelResidualFirst(Parallel):
     """Parallel pre-norm whose sum adds the attention to the stream before the MLP (Cohere, Cohere2)::
 
         normed = input_norm(h); a, _ = attention(hidden_states=normed, **every other argument)
@@ -261,16 +261,11 @@ class ParallelResidualFirst(LayerShape):
     rounds it."""
 
     name = "parallel_residual_first"
-    block = "parallel pre-norm block"
-    handoff_label = "parallel residual"
 
     def validate(self, kind: LayerKind) -> None:
         super().validate(kind)
-        if kind.post_attention_norm or kind.residual_scale or kind.attention_dropout or kind.mlp_dropout:
+        if kind.post_attention_norm or kind.attention_dropout or kind.mlp_dropout:
             raise ValueError("a parallel_residual_first LayerKind has one norm and no dropouts or scale")
-
-    def handoff_dropout(self, kind: LayerKind) -> str | None:
-        return None
 
     body = staticmethod(_parallel_residual_first_body)
 
