@@ -3,7 +3,7 @@ reach, since these kernels are memory-bound and a GPU run can only get close to 
 moves close to the minimum bytes.
 
 The kernels run in Triton's CPU interpreter (``hf_rmsnorm.ops.backend.configure("cpu")`` first), called through
-the public ops exactly as a model calls them, with two of the interpreter's internals wrapped for the duration:
+the functional ops as a patched model calls them, with two of the interpreter's internals wrapped for the duration:
 
 * ``GridExecutor.__call__`` (one kernel launch): records the launch's tensor arguments by parameter name, so every
   access can be attributed to the tensor it falls in;
@@ -238,7 +238,7 @@ def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: s
     """Runs one call of ``variant`` (one of ``VARIANTS``) on ``rows x hidden`` and returns the
     counter of its kernels' traffic: the forward's (``infer*`` without autograd, ``fwd*`` with it) or, for
     ``bwd*``, the backward's alone (its forward runs first, uncounted)."""
-    from hf_rmsnorm.ops import fused_add_rms_norm, rms_norm
+    from hf_rmsnorm.ops.functional import fused_add_norm, norm  # any mode, the LayerNorm one included
 
     t = _inputs(variant, rows, hidden, dtype)
     x, residual, weight, bias = t["x"], t["residual"], t["weight"], t["bias"]
@@ -250,8 +250,8 @@ def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: s
 
     def forward() -> tuple[torch.Tensor, ...]:
         if residual is None:
-            return (rms_norm(x, weight, EPS, bias=bias, mode=mode),)
-        return fused_add_rms_norm(x, residual, weight, EPS, bias=bias, mode=mode)
+            return (norm(x, weight, EPS, bias=bias, mode=mode),)
+        return fused_add_norm(x, residual, weight, EPS, bias=bias, mode=mode)
 
     if not variant.startswith("bwd"):
         with torch.set_grad_enabled(training), counter.counting():

@@ -9,7 +9,7 @@ Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` an
 * ``torch_compile``: ``torch.compile`` of the ``hf_eager`` function, add included (recompiled per shape).
 * ``liger``: Liger-Kernel's ``LigerFusedAddRMSNorm`` (skipped when ``liger_kernel`` is not installed; a release
   without it gets an error row).
-* ``hf_layernorm``: this package's fused add + LayerNorm (``mode="layernorm"``, with a bias), and
+* ``hf_layernorm``: this package's fused add + LayerNorm (``fused_add_layer_norm``, with a bias), and
   ``torch_layer_norm``: ``torch.nn.functional.layer_norm`` after a separate add: RMSNorm against LayerNorm, each
   fused and eager, on the same shapes.
 
@@ -277,15 +277,14 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
         module = _hf_module(hidden, dtype, device)
         return Impl(torch.compile(_eager_add_norm(module), dynamic=False), module.weight)
     if name in ("hf_layernorm", "torch_layer_norm"):
-        from hf_rmsnorm.ops import fused_add_rms_norm
+        from hf_rmsnorm.ops import fused_add_layer_norm
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         bias = torch.zeros(hidden, dtype=dtype, device=device)  # no gradient asked, as for the RMSNorms' inputs
         if name == "torch_layer_norm":
             return Impl(_eager_add_norm(lambda s: torch.nn.functional.layer_norm(s, (hidden,), weight, bias, EPS)),
                         weight)
-        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS, bias=bias, mode="layernorm"),
-                    weight)
+        return Impl(lambda x, residual: fused_add_layer_norm(x, residual, weight, bias, EPS), weight)
     if name == "liger":
         from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
 
@@ -504,7 +503,7 @@ def launch_path_line(hidden: int, settings: Settings) -> str:
         return fused_add_rms_norm(a, r, w, EPS)
 
     def custom_op(a, r, w):
-        return torch.ops.hf_rmsnorm.add_rms_norm_fwd(a, r, w, None, EPS, "llama")[:2]
+        return torch.ops.hf_rmsnorm.add_norm_fwd(a, r, w, None, EPS, "llama")[:2]
 
     def host_us(fn: Callable[..., Any]) -> str:
         call = functools.partial(fn, x, residual, weight)

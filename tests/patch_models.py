@@ -83,7 +83,7 @@ def count_ops(model, ids, monkeypatch, *, grad: bool = False) -> collections.Cou
     """The ops of one forward of ``model`` (under ``no_grad`` unless ``grad``)."""
     counter = OpCounter()
     with monkeypatch.context() as patch, torch.set_grad_enabled(grad):
-        for name in ("rms_norm", "fused_add_rms_norm"):
+        for name in ("norm", "fused_add_norm"):
             patch.setattr(fused, name, counter.count_kernels(getattr(fused, name)))
         with counter:
             model(ids)

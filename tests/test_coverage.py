@@ -27,12 +27,12 @@ def test_a_parity_failure_is_reported_as_failed(monkeypatch):
     """A patched model that drifts from its eager self is a failure, never a pass."""
     import hf_rmsnorm.ops.functional as functional
 
-    real = functional.rms_norm
+    real = functional.norm
 
     def drifting(x, weight, eps=1e-6, **kwargs):
         return real(x, weight, eps, **kwargs) * 1.01
 
-    monkeypatch.setattr("hf_rmsnorm.patch.fused.rms_norm", drifting)
+    monkeypatch.setattr("hf_rmsnorm.patch.fused.norm", drifting)
     result = coverage.check_model_type("gemma2", coverage.causal_lm_types()["gemma2"], 60)
     assert result.verdict == "failed" and "fp32 logits" in result.reason
 

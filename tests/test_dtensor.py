@@ -15,8 +15,8 @@ from patch_models import tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from hf_rmsnorm import fused_add_rms_norm, patch_model, rms_norm
-from hf_rmsnorm.ops import rms_norm_add
+from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, layer_norm, patch_model, rms_norm
+from hf_rmsnorm.ops import layer_norm_add, rms_norm_add
 from hf_rmsnorm.ops.backend import kernels_interpreted
 
 pytestmark = pytest.mark.skipif(
@@ -48,13 +48,20 @@ def _eager_llama_norm(x, weight):
 def _call(op: str, x, residual, weight, bias):
     if op == "rms_norm":
         return rms_norm(x, weight, EPS, bias=bias), None
+    if op == "layer_norm":
+        return layer_norm(x, weight, bias, EPS), None
     if op == "fused_add_rms_norm":
         return fused_add_rms_norm(x, residual, weight, EPS, bias=bias)
+    if op == "fused_add_layer_norm":
+        return fused_add_layer_norm(x, residual, weight, bias, EPS)
+    if op == "layer_norm_add":
+        return layer_norm_add(x, residual, weight, bias, EPS), None
     return rms_norm_add(x, residual, weight, EPS, bias=bias), None
 
 
 @pytest.mark.parametrize("placement", [Shard(1), Shard(0), Replicate()], ids=str)
-@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_add"])
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "rms_norm_add", "layer_norm", "fused_add_layer_norm",
+                                "layer_norm_add"])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no bias", "bias"])
 def test_ops_run_on_the_local_shards_and_return_dtensors_placed_as_x(mesh, placement, op, with_bias):
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +87,7 @@ def test_ops_run_on_the_local_shards_and_return_dtensors_placed_as_x(mesh, place
     reference_weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [Replicate()]))
     _eager_llama_norm(distribute_tensor(x, mesh, [placement]), reference_weight).sum().backward()
     for got, want in zip(dist_args, plain):
-        if want is None or want.grad is None:  # no bias; rms_norm takes no residual
+        if want is None or want.grad is None:  # no bias; rms_norm and layer_norm take no residual
             assert got is None or got.grad is None
         else:
             assert torch.equal(got.grad.full_tensor(), want.grad)
@@ -153,6 +160,17 @@ def _refusal_cases(mesh):
             "rms_norm_add: residual is a DTensor with placements (R) but x has (S(1)); DTensor activations must have "
             "the same placements (redistribute one of them)",
         ),
+        # The LayerNorm functions' errors name them.
+        "layer_norm hidden shard": (
+            lambda: layer_norm(distribute_tensor(x, mesh, [Shard(2)]), rep_w, None),
+            "layer_norm: x is a DTensor sharded along its last (hidden) dimension (S(2) on mesh dimension 0), which "
+            f"the norm reduces over; {fix}",
+        ),
+        "layer_norm_add residual placed otherwise": (
+            lambda: layer_norm_add(seq, distribute_tensor(x, mesh, [Replicate()]), rep_w, None),
+            "layer_norm_add: residual is a DTensor with placements (R) but x has (S(1)); DTensor activations must "
+            "have the same placements (redistribute one of them)",
+        ),
         "other mesh": (
             lambda: rms_norm(seq, distribute_tensor(w, other_mesh, [Replicate()])),
             f"rms_norm: weight is a DTensor on {other_mesh} but x is on {mesh}; all DTensor arguments must be on one "
@@ -163,7 +181,8 @@ def _refusal_cases(mesh):
 
 @pytest.mark.parametrize("case", [
     "hidden shard", "partial", "sharded weight", "plain weight", "plain x",
-    "plain residual", "residual placed otherwise", "other mesh",
+    "plain residual", "residual placed otherwise", "other mesh", "layer_norm hidden shard",
+    "layer_norm_add residual placed otherwise",
 ])
 def test_dtensors_the_norm_is_not_row_local_on_are_refused_in_one_line(mesh, case):
     call, message = _refusal_cases(mesh)[case]

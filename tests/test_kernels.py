@@ -11,8 +11,9 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
+from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import backend, launch, reference
+from hf_rmsnorm.ops.functional import fused_add_norm
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
@@ -252,7 +253,7 @@ def test_the_pytorch_fallback_has_the_kernels_semantics(mode, dtype):
     x, r = _randn(9, 96, dtype=dtype, seed=40), _randn(9, 96, dtype=dtype, seed=41) + 0.5
     weight, bias = _randn(96, dtype=dtype, scale=0.5, seed=42), _randn(96, dtype=dtype, seed=43)
     x, r, weight, bias = (t.requires_grad_() for t in (x, r, weight, bias))
-    y, s = fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)
+    y, s = fused_add_norm(x, r, weight, EPS, bias=bias, mode=mode)
     y_ref, s_ref, stats = reference.forward_reference(x.detach(), r.detach(), weight.detach(), bias.detach(), EPS,
                                                       mode)
     assert torch.equal(s, s_ref) and y.dtype == y_ref.dtype
@@ -350,7 +351,7 @@ def test_post_norm_add_matches_eager_and_fp64(mode, hf_class, n_cols, dtype):
 def test_post_norm_add_op_passes_opcheck():
     x, r = _randn(3, 40, seed=74).requires_grad_(), _randn(3, 40, seed=75).requires_grad_()
     weight = _randn(40, seed=76).requires_grad_()
-    torch.library.opcheck(torch.ops.hf_rmsnorm.rms_norm_add_fwd, (x, r, weight, None, EPS, "fp32_affine"))
+    torch.library.opcheck(torch.ops.hf_rmsnorm.norm_add_fwd, (x, r, weight, None, EPS, "fp32_affine"))
 
 
 def test_llama_mode_with_bias_rounds_like_eager():
@@ -407,7 +408,7 @@ def test_widest_supported_row(mode):
     r = _randn(2, n_cols, dtype=torch.bfloat16, seed=62).requires_grad_()
     weight = _randn(n_cols, dtype=torch.float32, seed=63).requires_grad_()
     bias = _randn(n_cols, dtype=torch.float32, seed=64).requires_grad_() if mode == "layernorm" else None
-    y, s = fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)
+    y, s = fused_add_norm(x, r, weight, EPS, bias=bias, mode=mode)
     assert torch.equal(s, r + x)
     s64 = s.double()
     if mode == "layernorm":
@@ -419,7 +420,7 @@ def test_widest_supported_row(mode):
     dy = _randn(2, n_cols, dtype=y.dtype, seed=65)
     inputs = (x, r, weight) if bias is None else (x, r, weight, bias)
     ours = _grads(y, inputs, (dy,))
-    again = _grads(fused_add_rms_norm(x, r, weight, EPS, bias=bias, mode=mode)[0], inputs, (dy,))
+    again = _grads(fused_add_norm(x, r, weight, EPS, bias=bias, mode=mode)[0], inputs, (dy,))
     for a, b in zip(ours, again):
         assert torch.equal(a, b) and not a.isnan().any()
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
@@ -562,22 +563,22 @@ def test_custom_ops_pass_torch_library_opcheck(with_residual):
     weight = _randn(40, dtype=torch.float32, seed=47).requires_grad_()
     if with_residual:
         r = _randn(3, 40, dtype=torch.float32, seed=48).requires_grad_()
-        torch.library.opcheck(torch.ops.hf_rmsnorm.add_rms_norm_fwd, (x, r, weight, None, EPS, "llama"))
+        torch.library.opcheck(torch.ops.hf_rmsnorm.add_norm_fwd, (x, r, weight, None, EPS, "llama"))
     else:
-        torch.library.opcheck(torch.ops.hf_rmsnorm.rms_norm_fwd, (x, weight, None, EPS, "gemma"))
+        torch.library.opcheck(torch.ops.hf_rmsnorm.norm_fwd, (x, weight, None, EPS, "gemma"))
     s = _randn(3, 40, dtype=torch.bfloat16, seed=49)
     rstd = torch.rand(3, device=DEVICE) + 0.5
     dy = _randn(3, 40, dtype=torch.float32, seed=50)
     torch.library.opcheck(
-        torch.ops.hf_rmsnorm.rms_norm_bwd,
+        torch.ops.hf_rmsnorm.norm_bwd,
         (dy, None, s, rstd, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32),
     )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_cols", [7, 896, 4100])
-def test_layernorm_mode_matches_nn_layer_norm(dtype, n_cols):
-    """Mode "layernorm" is nn.LayerNorm (mean subtracted), with the residual add fused, forward and backward,
+def test_fused_add_layer_norm_matches_nn_layer_norm(dtype, n_cols):
+    """fused_add_layer_norm is nn.LayerNorm (mean subtracted), with the residual add fused, forward and backward,
     also for rows with a large mean (where E[x^2] - mean^2 would cancel)."""
     x = (_randn(5, n_cols, seed=51) + 30).to(dtype).requires_grad_()
     r = _randn(5, n_cols, dtype=dtype, seed=52).requires_grad_()
@@ -585,7 +586,7 @@ def test_layernorm_mode_matches_nn_layer_norm(dtype, n_cols):
     with torch.no_grad():
         ln.weight.copy_(_randn(n_cols, seed=53))
         ln.bias.copy_(_randn(n_cols, seed=54))
-    y, s = fused_add_rms_norm(x, r, ln.weight, 1e-5, bias=ln.bias, mode="layernorm")
+    y, s = fused_add_layer_norm(x, r, ln.weight, ln.bias, 1e-5)
     hf_sum = r + x
     hf_y = ln(hf_sum)
     assert y.dtype == hf_y.dtype and torch.equal(s, hf_sum)

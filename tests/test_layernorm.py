@@ -7,6 +7,8 @@ and the report says which.
 """
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -16,7 +18,20 @@ from patch_models import reachable_modules
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from hf_rmsnorm import UnconvertibleModelError, UnsupportedModelError, patch_model, unpatch_model
+from hf_rmsnorm import (
+    UnconvertibleModelError,
+    UnsupportedModelError,
+    fused_add_layer_norm,
+    fused_add_rms_norm,
+    layer_norm,
+    layer_norm_add,
+    patch_model,
+    rms_norm,
+    rms_norm_add,
+    unpatch_model,
+)
+from hf_rmsnorm.ops import functional
+from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.patch import conversion
 
 V = 128
@@ -502,3 +517,119 @@ def test_training_with_residual_dropout_is_the_original_model():
             assert torch.equal(writer, before)
             for m in (model, reference):
                 m.train()
+
+
+# ---------------------------------------------------------------------- the functional LayerNorm API
+
+# Each LayerNorm function and the RMSNorm-named function whose mode="layernorm" it replaces; all but the first
+# take a residual after x.
+LAYER_NORM_FUNCTIONS = {
+    "layer_norm": (layer_norm, rms_norm),
+    "fused_add_layer_norm": (fused_add_layer_norm, fused_add_rms_norm),
+    "layer_norm_add": (layer_norm_add, rms_norm_add),
+}
+# The start of this package's DeprecationWarning (other libraries' deprecations, such as Triton 3.2's interpreter's
+# of numpy, are not what these tests are about).
+DEPRECATED_MODE = r"\w+\(mode='layernorm'\) computes a LayerNorm"
+
+
+def _trained_like(rows, n_cols, dtype, seed):
+    """Inputs, a residual, and a weight ~ N(1, 0.5) and a bias ~ N(0, 0.5) as training leaves them (never the
+    ones and zeros of a fresh module, which would hide swapped or dropped parameters)."""
+    g = torch.Generator().manual_seed(seed)
+    x, residual = (torch.randn(rows, n_cols, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
+    weight = (1 + 0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(dtype)
+    bias = (0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(dtype)
+    return [t.requires_grad_() for t in (x, residual, weight, bias)]
+
+
+def _call_new(name, x, residual, weight, bias):
+    """The LayerNorm function ``name``, with its default eps."""
+    function = LAYER_NORM_FUNCTIONS[name][0]
+    return function(x, weight, bias) if name == "layer_norm" else function(x, residual, weight, bias)
+
+
+def _call_deprecated(name, x, residual, weight, bias, eps):
+    """What ``name`` replaces: its RMSNorm-named function with ``mode="layernorm"``."""
+    function = LAYER_NORM_FUNCTIONS[name][1]
+    if name == "layer_norm":
+        return function(x, weight, eps, bias=bias, mode="layernorm")
+    return function(x, residual, weight, eps, bias=bias, mode="layernorm")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("n_cols", [37, 1031])
+@pytest.mark.parametrize("name", LAYER_NORM_FUNCTIONS)
+def test_layer_norm_functions_are_the_deprecated_layernorm_mode_bit_for_bit(name, n_cols, dtype):
+    """The LayerNorm functions run what ``mode="layernorm"`` of the RMSNorm-named ones runs: the same outputs and
+    gradients, bit for bit (fp32 and bf16 run the kernels, fp64 the PyTorch implementation), with the default
+    eps of ``nn.LayerNorm`` (1e-5)."""
+    inputs = _trained_like(5, n_cols, dtype, seed=n_cols)
+    new = _call_new(name, *inputs)
+    with pytest.warns(DeprecationWarning, match=DEPRECATED_MODE):
+        old = _call_deprecated(name, *inputs, 1e-5)
+    new, old = (out if isinstance(out, tuple) else (out,) for out in (new, old))
+    for a, b in zip(new, old, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+    g = torch.Generator().manual_seed(1)
+    upstream = [torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype) for out in new]
+    new_grads = torch.autograd.grad(new, inputs, upstream, allow_unused=True)
+    old_grads = torch.autograd.grad(old, inputs, upstream, allow_unused=True)
+    for a, b, leaf in zip(new_grads, old_grads, ("x", "residual", "weight", "bias")):
+        assert (a is None) == (b is None) == (leaf == "residual" and name == "layer_norm")
+        assert a is None or torch.equal(a, b), leaf
+
+
+@pytest.mark.parametrize("name", LAYER_NORM_FUNCTIONS)
+def test_the_layernorm_mode_of_the_rms_norm_functions_warns_once_naming_its_replacement(name):
+    inputs = _trained_like(3, 37, torch.float32, seed=2)
+    for grad in (False, True):  # the plain call and the autograd path
+        with torch.set_grad_enabled(grad), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _call_deprecated(name, *inputs, 1e-5)
+        ours = [w for w in caught if w.category is DeprecationWarning and re.match(DEPRECATED_MODE, str(w.message))]
+        assert len(ours) == 1
+        message = str(ours[0].message)
+        replaced = LAYER_NORM_FUNCTIONS[name][1].__name__
+        assert message.startswith(f"{replaced}(mode='layernorm') computes a LayerNorm: call hf_rmsnorm.ops.{name} ")
+        assert "\n" not in message
+        assert ours[0].filename == __file__  # attributed to the caller's line, not to the package
+
+
+def test_no_other_mode_and_no_layer_norm_function_warns():
+    x, residual, weight, bias = _trained_like(3, 37, torch.float32, seed=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", DEPRECATED_MODE, DeprecationWarning)
+        for mode in MODES:
+            if mode != "layernorm":
+                rms_norm(x, weight, 1e-5, bias=bias, mode=mode)
+                fused_add_rms_norm(x, residual, weight, 1e-5, bias=bias, mode=mode)
+                rms_norm_add(x, residual, weight, 1e-5, bias=bias, mode=mode)
+        for name in LAYER_NORM_FUNCTIONS:
+            _call_new(name, x, residual, weight, bias)
+        # The mode-generic entries the package's own callers use, in the LayerNorm mode too.
+        functional.norm(x, weight, 1e-5, bias=bias, mode="layernorm")
+        functional.fused_add_norm(x, residual, weight, 1e-5, bias=bias, mode="layernorm")
+        functional.norm_add(x, residual, weight, 1e-5, bias=bias, mode="layernorm")
+
+
+def test_patched_layernorm_models_do_not_warn():
+    """Patched LayerNorms run the LayerNorm mode through the mode-generic entries, which never warn: forward,
+    backward and the fused adds of a GPT-2 block."""
+    model = tiny("gpt2")
+    report = patch_model(model)
+    assert report.fused_adds
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", DEPRECATED_MODE, DeprecationWarning)
+        model(ids()).logits.sum().backward()
+
+
+def test_a_compiled_deprecated_call_traces_in_one_graph():
+    """Dynamo cannot trace ``warnings.warn`` in a full graph: the deprecated spelling still compiles (only eager
+    calls warn) and gives the LayerNorm function's result."""
+    x, _, weight, bias = (t.detach() for t in _trained_like(3, 37, torch.float32, seed=4))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, w, b: rms_norm(a, w, 1e-5, bias=b, mode="layernorm"), fullgraph=True,
+                             backend="eager")
+    assert torch.equal(compiled(x, weight, bias), layer_norm(x, weight, bias))

@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hf_rmsnorm import fused_add_rms_norm, rms_norm
+from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
 from hf_rmsnorm.ops import reference
+from hf_rmsnorm.ops.functional import fused_add_norm, norm
 from hf_rmsnorm.ops.backend import kernels_interpreted, runs_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -103,13 +104,19 @@ def _forward_args(dtype: torch.dtype, case: Case | None = None) -> dict:
 def _public(op: str, a: dict):
     if op == "rms_norm":
         return rms_norm(a["x"], a["weight"], a["eps"], bias=a["bias"])
+    if op == "layer_norm":
+        return layer_norm(a["x"], a["weight"], a["bias"], a["eps"])
+    if op == "fused_add_layer_norm":
+        return fused_add_layer_norm(a["x"], a["residual"], a["weight"], a["bias"], a["eps"])
     return fused_add_rms_norm(a["x"], a["residual"], a["weight"], a["eps"], bias=a["bias"])
 
 
 def _custom_op(op: str, a: dict):
-    if op == "rms_norm":
-        return torch.ops.hf_rmsnorm.rms_norm_fwd(a["x"], a["weight"], a["bias"], a["eps"], "llama")
-    return torch.ops.hf_rmsnorm.add_rms_norm_fwd(a["x"], a["residual"], a["weight"], a["bias"], a["eps"], "llama")
+    # The LayerNorm functions run the same custom ops in the LayerNorm mode, whose errors name them.
+    mode = "layernorm" if op.endswith("layer_norm") else "llama"
+    if op in ("rms_norm", "layer_norm"):
+        return torch.ops.hf_rmsnorm.norm_fwd(a["x"], a["weight"], a["bias"], a["eps"], mode)
+    return torch.ops.hf_rmsnorm.add_norm_fwd(a["x"], a["residual"], a["weight"], a["bias"], a["eps"], mode)
 
 
 def _with_grad(a: dict) -> dict:
@@ -141,14 +148,14 @@ def _run_forward(path: str, op: str, a: dict):
 
 
 FORWARD_PATHS = ["eager", "autograd", "custom_op", "fake"]
-FORWARD_OPS = ["rms_norm", "fused_add_rms_norm"]
+FORWARD_OPS = ["rms_norm", "fused_add_rms_norm", "layer_norm", "fused_add_layer_norm"]
 
 
 FORWARD_PARAMS = [
     pytest.param(case, op, id=f"{op}-{case.id}")
     for case in FORWARD_CASES
     for op in FORWARD_OPS
-    if op == "fused_add_rms_norm" or not case.fused_only
+    if op.startswith("fused_add") or not case.fused_only
 ]
 
 
@@ -208,21 +215,21 @@ def test_compiled_calls_with_symbolic_sizes_and_eps_still_run(fresh_dynamo):
 
 BACKWARD_CASES = [
     Case("dy[4,32]", lambda d: {"dy": _t(4, 32, dtype=d)}, ValueError,
-         "rms_norm_bwd: dy has shape (4, 32) but norm_input has shape (4, 64); dy must have exactly norm_input's "
+         "norm_bwd: dy has shape (4, 32) but norm_input has shape (4, 64); dy must have exactly norm_input's "
          "shape"),
     Case("dsum[64]", lambda d: {"dsum": _t(64, dtype=d)}, ValueError,
-         "rms_norm_bwd: dsum has shape (64,) but norm_input has shape (4, 64); dsum must have exactly norm_input's "
+         "norm_bwd: dsum has shape (64,) but norm_input has shape (4, 64); dsum must have exactly norm_input's "
          "shape"),
     Case("stats[3]", lambda d: {"stats": _t(3, dtype=torch.float32)}, ValueError,
-         "rms_norm_bwd: stats has shape (3,) but mode 'llama' saves (4,) for norm_input of shape (4, 64)"),
+         "norm_bwd: stats has shape (3,) but mode 'llama' saves (4,) for norm_input of shape (4, 64)"),
     Case("layernorm stats[4]", lambda d: {"mode": "layernorm"}, ValueError,
-         "rms_norm_bwd: stats has shape (4,) but mode 'layernorm' saves (2, 4) for norm_input of shape (4, 64)"),
+         "norm_bwd: stats has shape (4,) but mode 'layernorm' saves (2, 4) for norm_input of shape (4, 64)"),
     Case("weight[32]", lambda d: {"weight": _t(32, dtype=d)}, ValueError,
-         "rms_norm_bwd: weight has shape (32,) but norm_input's last dimension is 64; weight must be 1-D of size 64"),
+         "norm_bwd: weight has shape (32,) but norm_input's last dimension is 64; weight must be 1-D of size 64"),
     Case("norm_input on meta", lambda d: {"norm_input": _t(ROWS, HIDDEN, dtype=d, device="meta")}, ValueError,
-         "rms_norm_bwd: norm_input is on meta but dy is on {device}; all tensors must be on one device"),
+         "norm_bwd: norm_input is on meta but dy is on {device}; all tensors must be on one device"),
     Case("int64 dy", lambda d: {"dy": _t(ROWS, HIDDEN, dtype=torch.int64)}, TypeError,
-         "rms_norm_bwd: dy has dtype torch.int64; the norms take " + FLOATS),
+         "norm_bwd: dy has dtype torch.int64; the norms take " + FLOATS),
     Case("unknown mode", lambda d: {"mode": "olmo"}, ValueError, "unknown mode 'olmo': use one of llama, gemma, "
          "fp32_affine, layernorm, layernorm_as_rmsnorm"),
 ]
@@ -240,8 +247,8 @@ def _run_backward(path: str, a: dict):
     if path == "fake":
         a, mode = _faked(a)
         with mode:
-            return torch.ops.hf_rmsnorm.rms_norm_bwd(**a)
-    return torch.ops.hf_rmsnorm.rms_norm_bwd(**a)
+            return torch.ops.hf_rmsnorm.norm_bwd(**a)
+    return torch.ops.hf_rmsnorm.norm_bwd(**a)
 
 
 @pytest.mark.parametrize("path", ["custom_op", "fake"])
@@ -257,7 +264,7 @@ def test_bad_backward_arguments_raise_one_clear_error(case, path, dtype):
     bounds either."""
     with pytest.raises(case.error) as excinfo:
         _run_backward(path, _backward_args(dtype, case))
-    assert str(excinfo.value) == case.expected("rms_norm_bwd")
+    assert str(excinfo.value) == case.expected("norm_bwd")
 
 
 ODD_SHAPES = {
@@ -288,11 +295,11 @@ def test_valid_odd_shapes_still_work(shape, mode, dtype):
     # The kernels and the PyTorch implementation sum in another order; llama mode normalises fp64 in fp32 too.
     tol = {"rtol": 1e-5, "atol": 1e-5}
 
-    y, new_residual = fused_add_rms_norm(x, residual, weight, EPS, bias=bias, mode=mode)
+    y, new_residual = fused_add_norm(x, residual, weight, EPS, bias=bias, mode=mode)
     y_ref, sum_ref, _ = reference.forward_reference(x, residual, weight, bias, EPS, mode)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(new_residual, sum_ref, **tol)
-    torch.testing.assert_close(rms_norm(x, weight, EPS, bias=bias, mode=mode),
+    torch.testing.assert_close(norm(x, weight, EPS, bias=bias, mode=mode),
                                reference.forward_reference(x, None, weight, bias, EPS, mode)[0], **tol)
 
     dy = _t(*y.shape, dtype=y.dtype, seed=15)

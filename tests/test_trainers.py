@@ -62,7 +62,7 @@ def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool) -> 
     layers)."""
     fused_adds = 2 * n_layers * STEPS
     calls = ((n_norms - 1) * 2 + 1) * STEPS if checkpointing else n_norms * STEPS
-    return {"rms_norm": calls - fused_adds, "fused_add_rms_norm": fused_adds}
+    return {"norm": calls - fused_adds, "fused_add_norm": fused_adds}
 
 
 # --- Trainer under accelerate launch: 2 processes, DDP over gloo -------------------------------------------
@@ -219,12 +219,12 @@ def test_peft_modules_to_save_norm(order, target, kernel_calls):
     losses, reference_losses = _train_steps(model, ids), _train_steps(reference, ids)
     # Every norm the model calls ran the kernels, wrapped or not (the wrappers call one copy each).
     n_norms = sum(1 for name, _ in tiny_model("llama").named_parameters() if "norm" in name)
-    assert kernel_calls["rms_norm"] + kernel_calls["fused_add_rms_norm"] == n_norms * len(losses)
+    assert kernel_calls["norm"] + kernel_calls["fused_add_norm"] == n_norms * len(losses)
     # A fused layer hands its attention add to post_attention_layernorm, through the wrapper when it is wrapped,
     # and its MLP add to the next norm unless that norm is wrapped (the wrapper calls another copy: the last
     # layer's add stays apart when the final norm is wrapped).
     mlp_adds = n_layers - (target == "final norm") if layers_fused else 0
-    assert kernel_calls["fused_add_rms_norm"] == ((n_layers + mlp_adds) * len(losses) if layers_fused else 0)
+    assert kernel_calls["fused_add_norm"] == ((n_layers + mlp_adds) * len(losses) if layers_fused else 0)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=LOSS_RTOL, atol=0)
     # The saved copies trained (as the unpatched model's did); the originals stayed frozen.
     initial = tiny_model("llama").state_dict()

@@ -99,8 +99,8 @@ def test_torch_finds_the_kernels_of_each_triton_op(traced):
     """torch keys its compile caches on the source of a Triton op's kernels, which it finds by reading the op's
     code: a kernel it missed would let a cache compiled with an older kernel be reused."""
     assert traced["kernels_of_ops"] == {
-        "rms_norm_fwd_triton": [FWD], "add_rms_norm_fwd_triton": [FWD], "rms_norm_add_fwd_triton": [FWD],
-        "rms_norm_bwd_triton": [BWD, ROW_DOT, COLUMN_BWD, SUM],
+        "norm_fwd_triton": [FWD], "add_norm_fwd_triton": [FWD], "norm_add_fwd_triton": [FWD],
+        "norm_bwd_triton": [BWD, ROW_DOT, COLUMN_BWD, SUM],
     }
 
 
@@ -134,7 +134,7 @@ def test_compiled_calls_on_the_cpu_use_the_custom_ops():
     residual = torch.randn(3, 16, dtype=torch.bfloat16)
     weight = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
     ops = _compiled_ops(lambda a, r, w: fused_add_rms_norm(a, r, w)[0], x, residual, weight)
-    assert "hf_rmsnorm.add_rms_norm_fwd.default" in ops and "hf_rmsnorm.rms_norm_bwd.default" in ops
+    assert "hf_rmsnorm.add_norm_fwd.default" in ops and "hf_rmsnorm.norm_bwd.default" in ops
     assert not [op for op in ops if "_triton" in op or "triton_kernel_wrapper" in op]
 
 
@@ -194,13 +194,13 @@ def _opcheck_args(device: str):
     x, residual = (torch.randn(3, 40, generator=g).to(device, torch.bfloat16).requires_grad_() for _ in range(2))
     weight = torch.randn(40, generator=g).to(device, torch.float32).requires_grad_()
     return {
-        "rms_norm_fwd": (x, weight, None, 1e-6, "gemma"),
-        "add_rms_norm_fwd": (x, residual, weight, None, 1e-6, "llama"),
-        "rms_norm_add_fwd": (x, residual.detach().to(torch.float32).requires_grad_(), weight, None, 1e-6, "llama"),
+        "norm_fwd": (x, weight, None, 1e-6, "gemma"),
+        "add_norm_fwd": (x, residual, weight, None, 1e-6, "llama"),
+        "norm_add_fwd": (x, residual.detach().to(torch.float32).requires_grad_(), weight, None, 1e-6, "llama"),
     }
 
 
-@pytest.mark.parametrize("name", ["rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd"])
+@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd"])
 def test_triton_ops_schema_and_autograd_registration(name):
     """The Triton ops carry the custom ops' autograd formula (run eagerly here; their fake implementation is the
     real one traced, which needs kernels compiled for a GPU: the GPU test below checks it)."""
@@ -210,6 +210,6 @@ def test_triton_ops_schema_and_autograd_registration(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd"])
+@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd"])
 def test_triton_ops_pass_torch_library_opcheck_on_a_gpu(name):
     torch.library.opcheck(getattr(torch.ops.hf_rmsnorm, f"{name}_triton"), _opcheck_args("cuda")[name])

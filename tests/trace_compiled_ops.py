@@ -28,7 +28,7 @@ from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add  # noqa: E402
+from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add  # noqa: E402
 from hf_rmsnorm.ops import functional, launch  # noqa: E402
 
 HIDDEN = 64
@@ -115,14 +115,14 @@ class _Context:
 
 def rms_norm_backward(dy, x, weight, rstd):
     ctx = _Context()
-    functional._rms_norm_setup(ctx, (x, weight, None, 1e-6, "llama"), (None, rstd))
-    return [g for g in functional._rms_norm_backward(ctx, dy, None) if g is not None]
+    functional._norm_setup(ctx, (x, weight, None, 1e-6, "llama"), (None, rstd))
+    return [g for g in functional._norm_backward(ctx, dy, None) if g is not None]
 
 
 def fused_add_backward(dy, dsum, x, residual, weight, new_residual, rstd):
     ctx = _Context()
-    functional._add_rms_norm_setup(ctx, (x, residual, weight, None, 1e-6, "llama"), (None, new_residual, rstd))
-    return [g for g in functional._add_rms_norm_backward(ctx, dy, dsum, None) if g is not None]
+    functional._add_norm_setup(ctx, (x, residual, weight, None, 1e-6, "llama"), (None, new_residual, rstd))
+    return [g for g in functional._add_norm_backward(ctx, dy, dsum, None) if g is not None]
 
 
 def main() -> None:
@@ -136,8 +136,7 @@ def main() -> None:
         "rms_norm_gemma_fp32_weight": _trace(lambda x, w: rms_norm(x, w, mode="gemma"), (rows, bf16), (row, fp32)),
         "fused_add_rms_norm": _trace(lambda x, r, w: fused_add_rms_norm(x, r, w), (rows, bf16), (rows, bf16),
                                      (row, bf16)),
-        "fused_add_layernorm": _trace(lambda x, r, w, b: fused_add_rms_norm(x, r, w, bias=b, mode="layernorm"),
-                                      (rows, fp16), (rows, fp32), (row, fp32), (row, fp32)),
+        "fused_add_layernorm": _trace(fused_add_layer_norm, (rows, fp16), (rows, fp32), (row, fp32), (row, fp32)),
         "rms_norm_add": _trace(lambda x, r, w: rms_norm_add(x, r, w), (rows, bf16), (rows, bf16), (row, bf16)),
         "rms_norm_add_fp32_residual": _trace(lambda x, r, w: rms_norm_add(x, r, w), (rows, bf16), (rows, fp32),
                                              (row, bf16)),
@@ -153,8 +152,7 @@ def main() -> None:
                                              (rows, fp32), (row, fp32), (rows, fp32), ((ROWS,), fp32), dynamic=True),
     }
     kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
-               for name in ("rms_norm_fwd_triton", "add_rms_norm_fwd_triton", "rms_norm_add_fwd_triton",
-                            "rms_norm_bwd_triton")}
+               for name in ("norm_fwd_triton", "add_norm_fwd_triton", "norm_add_fwd_triton", "norm_bwd_triton")}
     json.dump({"cases": cases, "kernels_of_ops": kernels}, sys.stdout)
 
 

@@ -43,7 +43,7 @@ from hf_rmsnorm.patch import fused  # noqa: E402
 RUNS = {"llama": ("llama", Trainer), "qwen3": ("qwen3", Trainer), "llama-sft": ("llama", SFTTrainer)}
 # Per process and step: 2 sequences of 16 tokens; 3 steps at a learning rate that moves every weight.
 STEPS, BATCH, SEQ_LEN, LR = 3, 2, 16, 1e-3
-KERNEL_ENTRY_POINTS = ("rms_norm", "fused_add_rms_norm", "rms_norm_add")
+KERNEL_ENTRY_POINTS = ("norm", "fused_add_norm", "norm_add")
 
 
 def count_kernel_calls(set_attr: Callable[[object, str, object], None] = setattr) -> collections.Counter[str]:

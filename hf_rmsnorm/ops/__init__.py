@@ -16,12 +16,22 @@ from typing import TYPE_CHECKING
 from .modes import MODES
 
 if TYPE_CHECKING:
-    from .functional import fused_add_rms_norm, rms_norm, rms_norm_add
+    from .functional import (
+        fused_add_layer_norm,
+        fused_add_rms_norm,
+        layer_norm,
+        layer_norm_add,
+        rms_norm,
+        rms_norm_add,
+    )
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_add", "MODES"]
+# The functional API, loaded from ``functional`` on first use.
+_FUNCTIONAL = ("rms_norm", "fused_add_rms_norm", "rms_norm_add", "layer_norm", "fused_add_layer_norm", "layer_norm_add")
+
+__all__ = [*_FUNCTIONAL, "MODES"]
 
 
 def __getattr__(name: str):
-    if name in ("rms_norm", "fused_add_rms_norm", "rms_norm_add"):
+    if name in _FUNCTIONAL:
         return getattr(importlib.import_module(".functional", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

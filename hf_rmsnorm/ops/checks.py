@@ -36,6 +36,9 @@ _FLOAT_NAMES = "torch.float16, torch.bfloat16, torch.float32 or torch.float64"
 # one the others must be on (the first tensor decides the implementation in backend.runs_kernels as well).
 _FORWARD_NAMES = ("x", "residual", "weight", "bias")
 _BACKWARD_NAMES = ("dy", "dsum", "norm_input", "stats", "weight")
+# The public function a forward's errors name, by whether the mode centres (LayerNorm) and whether a residual is
+# added first.
+_FORWARD_OPS = {False: ("rms_norm", "fused_add_rms_norm"), True: ("layer_norm", "fused_add_layer_norm")}
 
 
 def check_forward(
@@ -44,17 +47,19 @@ def check_forward(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
+    mode: str,
 ) -> None:
-    """Checks the arguments of ``rms_norm`` / ``fused_add_rms_norm`` (``residual`` given) and their custom ops.
+    """Checks the arguments of ``rms_norm`` / ``fused_add_rms_norm`` (``residual`` given), of ``layer_norm`` /
+    ``fused_add_layer_norm`` in the centring ``mode``, and of their custom ops.
 
     Raises:
         TypeError: a tensor is not fp16, bf16, fp32 or fp64.
         ValueError: ``x`` is 0-dimensional; ``weight`` or ``bias`` is not 1-D of ``x``'s last dimension;
             ``residual`` does not have exactly ``x``'s shape (the kernels do not broadcast); a tensor is not on
-            ``x``'s device; ``eps`` is negative, infinite or NaN.
+            ``x``'s device; ``eps`` is negative, infinite or NaN; ``mode`` is unknown.
     """
     # Errors name the public function, also when its custom op was called (or traced) directly.
-    op = "rms_norm" if residual is None else "fused_add_rms_norm"
+    op = _FORWARD_OPS[get_mode(mode).centre][residual is not None]
     _check_dtypes_and_devices(op, _FORWARD_NAMES, (x, residual, weight, bias))
     shape = x.shape  # read once: each read builds a torch.Size
     if not shape:
@@ -81,9 +86,9 @@ def check_backward(
     weight: torch.Tensor | None,
     mode: str,
 ) -> None:
-    """Checks the tensor arguments of the ``rms_norm_bwd`` custom op against the forward's input.
+    """Checks the tensor arguments of the ``norm_bwd`` custom op against the forward's input.
 
-    Autograd always passes consistent tensors; this guards direct calls of ``torch.ops.hf_rmsnorm.rms_norm_bwd``,
+    Autograd always passes consistent tensors; this guards direct calls of ``torch.ops.hf_rmsnorm.norm_bwd``,
     which the kernels would otherwise read out of bounds.
 
     Raises:
@@ -92,7 +97,7 @@ def check_backward(
             the forward saves in ``mode``; ``weight`` is not 1-D of ``norm_input``'s last dimension; a tensor is
             not on ``dy``'s device; ``mode`` is unknown.
     """
-    op = "rms_norm_bwd"
+    op = "norm_bwd"
     _check_dtypes_and_devices(op, _BACKWARD_NAMES, (dy, dsum, norm_input, stats, weight))
     if norm_input.dim() == 0:
         raise ValueError(f"{op}: norm_input is 0-dimensional; norm_input must have at least 1 dimension")

@@ -1,10 +1,15 @@
-"""Public functional API: ``rms_norm`` and ``fused_add_rms_norm``, differentiable and torch.compile-able.
+"""Public functional API: the RMSNorms ``rms_norm``, ``fused_add_rms_norm`` and ``rms_norm_add`` and the LayerNorms
+``layer_norm``, ``fused_add_layer_norm`` and ``layer_norm_add``, differentiable and torch.compile-able.
+
+Both families run ``norm``, ``fused_add_norm`` and ``norm_add``, which take any mode of ``modes.py`` and are the
+entry of the package's own callers that read the mode from data (patched modules). ``rms_norm(mode="layernorm")``
+and its siblings still run the LayerNorm, with a ``DeprecationWarning`` naming the LayerNorm function to call.
 
 The forwards and the backward are registered twice with ``torch.library``, under one schema:
 
-* as custom ops (``hf_rmsnorm::rms_norm_fwd``...) with fake implementations: ``torch.compile(fullgraph=True)``
+* as custom ops (``hf_rmsnorm::norm_fwd``...) with fake implementations: ``torch.compile(fullgraph=True)``
   traces each as one opaque node, which calls the Python implementation when the graph runs;
-* as Triton ops (``hf_rmsnorm::rms_norm_fwd_triton``...): ``torch.compile`` traces into them, down to the kernel
+* as Triton ops (``hf_rmsnorm::norm_fwd_triton``...): ``torch.compile`` traces into them, down to the kernel
   launches (``wrap_triton`` in ``launch.py``), so inductor launches the kernels from its own generated code,
   without the custom-op dispatch and the Python around it, and captures them in CUDA graphs with the rest.
 
@@ -18,16 +23,18 @@ implementation directly unless a graph is being traced.
 
 ``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
 interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
-the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_rms_norm_bwd``, which
+the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_norm_bwd_impl``, which
 every eager, autograd and custom-op call goes through, and in the fake implementations ``torch.compile`` traces.
 
-DTensor arguments (tensor- and sequence-parallel plans) are handed to ``dtensor.py`` by each public function
-first: it checks that the norm is row-local on them and calls the function again on the local shards.
+DTensor arguments (tensor- and sequence-parallel plans) are handed to ``dtensor.py`` first: it checks that the
+norm is row-local on them and calls the public function of the mode (the one its errors name) again on the local
+shards.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -43,7 +50,7 @@ from .modes import dtype_of, get_mode, sum_dtype
 def _forward(x, residual, weight, bias, eps, mode, store_stats=True):
     """``(y, residual + x or None, stats)``; the kernels skip the stats when ``store_stats`` is false
     (inference: only the backward reads them), the PyTorch implementation computes them anyway."""
-    check_forward(x, residual, weight, bias, eps)  # before the kernels could read out of bounds
+    check_forward(x, residual, weight, bias, eps, mode)  # before the kernels could read out of bounds
     if runs_kernels(x, residual, weight, bias):
         return norm_forward(x, residual, weight, bias, eps, mode, store_stats=store_stats)
     y, norm_input, stats = reference.forward_reference(x, residual, weight, bias, eps, mode)
@@ -52,7 +59,7 @@ def _forward(x, residual, weight, bias, eps, mode, store_stats=True):
 
 def _fake_forward(x, residual, weight, bias, eps, mode):
     # The same error while torch.compile traces as when the real implementation runs.
-    check_forward(x, residual, weight, bias, eps)
+    check_forward(x, residual, weight, bias, eps, mode)
     m = get_mode(mode)
     norm_dtype = sum_dtype(x.dtype, dtype_of(residual))
     y = x.new_empty(x.shape, dtype=m.output_dtype(norm_dtype, weight, bias))
@@ -68,40 +75,40 @@ def _define(name: str, impl) -> Any:
     return torch.library.custom_op(f"hf_rmsnorm::{name}", impl, mutates_args=())
 
 
-def _rms_norm_impl(
+def _norm_impl(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor]:
     y, _, stats = _forward(x, None, weight, bias, eps, mode)
     return y, stats
 
 
-_rms_norm_fwd = _define("rms_norm_fwd", _rms_norm_impl)
+_norm_fwd = _define("norm_fwd", _norm_impl)
 
 
-@_rms_norm_fwd.register_fake
+@_norm_fwd.register_fake
 def _(x, weight, bias, eps, mode):
     y, _, stats = _fake_forward(x, None, weight, bias, eps, mode)
     return y, stats
 
 
-def _add_rms_norm_impl(
+def _add_norm_impl(
     x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _forward(x, residual, weight, bias, eps, mode)
 
 
-_add_rms_norm_fwd = _define("add_rms_norm_fwd", _add_rms_norm_impl)
+_add_norm_fwd = _define("add_norm_fwd", _add_norm_impl)
 
 
-@_add_rms_norm_fwd.register_fake
+@_add_norm_fwd.register_fake
 def _(x, residual, weight, bias, eps, mode):
     return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
-def _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=True):
+def _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=True):
     """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
     then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
-    check_forward(x, residual, weight, bias, eps)  # the residual's shape too: the add must not broadcast
+    check_forward(x, residual, weight, bias, eps, mode)  # the residual's shape too: the add must not broadcast
     same_dtype = get_mode(mode).output_dtype_of(x.dtype, dtype_of(weight), dtype_of(bias)) == residual.dtype
     if same_dtype and runs_kernels(x, residual, weight, bias):
         out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
@@ -111,22 +118,22 @@ def _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=True):
     return residual + y, stats
 
 
-def _rms_norm_add_impl(
+def _norm_add_impl(
     x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, mode: str
 ) -> tuple[Tensor, Tensor]:
-    return _rms_norm_add(x, residual, weight, bias, eps, mode)
+    return _norm_add_forward(x, residual, weight, bias, eps, mode)
 
 
-_rms_norm_add_fwd = _define("rms_norm_add_fwd", _rms_norm_add_impl)
+_norm_add_fwd = _define("norm_add_fwd", _norm_add_impl)
 
 
-@_rms_norm_add_fwd.register_fake
+@_norm_add_fwd.register_fake
 def _(x, residual, weight, bias, eps, mode):
     y, _, stats = _fake_forward(x, None, weight, bias, eps, mode)
     return residual.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, y.dtype)), stats
 
 
-def _rms_norm_bwd_impl(
+def _norm_bwd_impl(
     dy: Tensor,
     dsum: Tensor | None,
     norm_input: Tensor,
@@ -156,10 +163,10 @@ def _rms_norm_bwd_impl(
     return tuple(dx.new_empty(0) if t is None else t for t in (dx, dres, dweight, dbias))
 
 
-_rms_norm_bwd = _define("rms_norm_bwd", _rms_norm_bwd_impl)
+_norm_bwd = _define("norm_bwd", _norm_bwd_impl)
 
 
-@_rms_norm_bwd.register_fake
+@_norm_bwd.register_fake
 def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
     check_backward(dy, dsum, norm_input, stats, weight, mode)
     dx = norm_input.new_empty(norm_input.shape, dtype=dx_dtype)
@@ -190,47 +197,47 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
     if torch.compiler.is_compiling() or is_traced(norm_input):
         backward = _traced_ops(norm_input).backward
     else:
-        backward = _rms_norm_bwd_impl if plain else _CUSTOM_OPS.backward
+        backward = _norm_bwd_impl if plain else _CUSTOM_OPS.backward
     dx, dres, dweight, dbias = backward(
         dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
     )
     return dx, dres, (dweight if weight is not None else None), (dbias if ctx.bias_dtype is not None else None)
 
 
-def _rms_norm_setup(ctx, inputs, output):
+def _norm_setup(ctx, inputs, output):
     x, weight, bias, _eps, mode = inputs
     _save_common(ctx, x, output[1], weight, bias, mode)
     # Kept apart from the saved tensors: non-reentrant checkpointing lets the backward unpack those once.
     ctx.x_dtype = x.dtype
 
 
-def _rms_norm_backward(ctx, dy, _drstd):
+def _norm_backward(ctx, dy, _drstd):
     dx, _, dweight, dbias = _backward(ctx, dy, None, ctx.x_dtype, None)
     return dx, dweight, dbias, None, None
 
 
-def _add_rms_norm_setup(ctx, inputs, output):
+def _add_norm_setup(ctx, inputs, output):
     x, residual, weight, bias, _eps, mode = inputs
     _save_common(ctx, output[1], output[2], weight, bias, mode)
     ctx.x_dtype = x.dtype
     ctx.res_dtype = residual.dtype
 
 
-def _add_rms_norm_backward(ctx, dy, dsum, _drstd):
+def _add_norm_backward(ctx, dy, dsum, _drstd):
     # One gradient serves x and the residual (the sum's gradient); a second copy only if the dtypes differ.
     dres_dtype = None if ctx.res_dtype == ctx.x_dtype else ctx.res_dtype
     dx, dres, dweight, dbias = _backward(ctx, dy, dsum, ctx.x_dtype, dres_dtype)
     return dx, (dx if dres_dtype is None else dres), dweight, dbias, None, None
 
 
-def _rms_norm_add_setup(ctx, inputs, output):
+def _norm_add_setup(ctx, inputs, output):
     x, residual, weight, bias, _eps, mode = inputs
     _save_common(ctx, x, output[1], weight, bias, mode)
     ctx.x_dtype = x.dtype
     ctx.res_dtype = residual.dtype
 
 
-def _rms_norm_add_backward(ctx, dout, _dstats):
+def _norm_add_backward(ctx, dout, _dstats):
     # The residual's gradient is the output's; the norm's output gradient is the output's too.
     dx, _, dweight, dbias = _backward(ctx, dout, None, ctx.x_dtype, None)
     dres = None if dout is None else dout.to(ctx.res_dtype)
@@ -243,21 +250,21 @@ def _register_autograd(name: str, backward, setup) -> None:
         torch.library.register_autograd(f"hf_rmsnorm::{op}", backward, setup_context=setup)
 
 
-_register_autograd("rms_norm_fwd", _rms_norm_backward, _rms_norm_setup)
-_register_autograd("rms_norm_add_fwd", _rms_norm_add_backward, _rms_norm_add_setup)
-_register_autograd("add_rms_norm_fwd", _add_rms_norm_backward, _add_rms_norm_setup)
+_register_autograd("norm_fwd", _norm_backward, _norm_setup)
+_register_autograd("norm_add_fwd", _norm_add_backward, _norm_add_setup)
+_register_autograd("add_norm_fwd", _add_norm_backward, _add_norm_setup)
 
 
 class _Ops(NamedTuple):
     """The operators of one registration that compiled calls record."""
 
-    rms_norm: Any
-    add_rms_norm: Any
-    rms_norm_add: Any
+    norm: Any
+    add_norm: Any
+    norm_add: Any
     backward: Any
 
 
-_OP_NAMES = ("rms_norm_fwd", "add_rms_norm_fwd", "rms_norm_add_fwd", "rms_norm_bwd")
+_OP_NAMES = ("norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_bwd")
 _CUSTOM_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, name) for name in _OP_NAMES))
 _TRITON_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, f"{name}_triton") for name in _OP_NAMES))
 
@@ -288,17 +295,94 @@ def _autograd_function(name: str, impl, setup, backward) -> type:
     })
 
 
-_RmsNormFunction = _autograd_function("_RmsNormFunction", _rms_norm_impl, _rms_norm_setup, _rms_norm_backward)
-_AddRmsNormFunction = _autograd_function(
-    "_AddRmsNormFunction", _add_rms_norm_impl, _add_rms_norm_setup, _add_rms_norm_backward
-)
-_RmsNormAddFunction = _autograd_function(
-    "_RmsNormAddFunction", _rms_norm_add_impl, _rms_norm_add_setup, _rms_norm_add_backward
-)
+_NormFunction = _autograd_function("_NormFunction", _norm_impl, _norm_setup, _norm_backward)
+_AddNormFunction = _autograd_function("_AddNormFunction", _add_norm_impl, _add_norm_setup, _add_norm_backward)
+_NormAddFunction = _autograd_function("_NormAddFunction", _norm_add_impl, _norm_add_setup, _norm_add_backward)
 
 
 def _needs_autograd(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# The mode the LayerNorm functions run. The RMSNorm-named functions still take it, with a DeprecationWarning.
+_LAYER_NORM_MODE = "layernorm"
+
+
+def _on_local_shards(rms_op: Callable[..., Any], layer_op: Callable[..., Any], mode: str, **arguments: Any) -> Any:
+    """A call on DTensor arguments, run again on their local shards (``dtensor.py``) through the public function of
+    ``mode``, which its errors name: ``layer_op`` for the LayerNorm mode, else ``rms_op`` given ``mode``."""
+    if mode == _LAYER_NORM_MODE:
+        return call_on_local_shards(layer_op, **arguments)
+    return call_on_local_shards(rms_op, **arguments, mode=mode)
+
+
+def _warn_layer_norm_mode(called: str, replacement: str) -> None:
+    """The DeprecationWarning of ``called(..., mode="layernorm")``, attributed to the line that called it. Not while
+    torch.compile traces: Dynamo cannot trace ``warnings.warn`` in a full graph (the eager calls warn)."""
+    if not torch.compiler.is_compiling():
+        warnings.warn(
+            f"{called}(mode={_LAYER_NORM_MODE!r}) computes a LayerNorm: call hf_rmsnorm.ops.{replacement} instead; "
+            f"{called} will stop accepting mode={_LAYER_NORM_MODE!r} in a future release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
+def norm(x: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str) -> Tensor:
+    """The norm of any mode in ``MODES``, and never a warning: what ``rms_norm`` and ``layer_norm`` run, and the
+    entry of the package's own callers that read the mode from data (patched modules, ``patch/fused.py``).
+
+    Args, Returns and Raises: as ``rms_norm``; ``mode`` may be ``"layernorm"`` (``layer_norm``).
+    """
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, weight, bias):
+        return _on_local_shards(rms_norm, layer_norm, mode, x=x, weight=weight, eps=eps, bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return _traced_ops(x).norm(x, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, weight, bias):
+        return _NormFunction.apply(x, weight, bias, eps, mode)[0]
+    return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
+
+
+def fused_add_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
+) -> tuple[Tensor, Tensor]:
+    """``fused_add_rms_norm`` of any mode in ``MODES``, and never a warning (see ``norm``).
+
+    Returns and Raises: as ``fused_add_rms_norm``.
+    """
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, residual, weight, bias):
+        return _on_local_shards(fused_add_rms_norm, fused_add_layer_norm, mode, x=x, residual=residual,
+                                weight=weight, eps=eps, bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        y, new_residual, _ = _traced_ops(x).add_norm(x, residual, weight, bias, eps, mode)
+    elif _needs_autograd(x, residual, weight, bias):
+        y, new_residual, _ = _AddNormFunction.apply(x, residual, weight, bias, eps, mode)
+    else:
+        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
+    return y, new_residual
+
+
+def norm_add(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
+) -> Tensor:
+    """``rms_norm_add`` of any mode in ``MODES``, and never a warning (see ``norm``).
+
+    Returns and Raises: as ``rms_norm_add``.
+    """
+    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    if holds_dtensor(x, residual, weight, bias):
+        return _on_local_shards(rms_norm_add, layer_norm_add, mode, x=x, residual=residual, weight=weight, eps=eps,
+                                bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return _traced_ops(x).norm_add(x, residual, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, residual, weight, bias):
+        return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
+    return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
 
 
 def rms_norm(
@@ -312,9 +396,10 @@ def rms_norm(
             every mode (plus ``bias``).
         eps: added to the mean square, in fp32.
         bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
-        mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32) or ``"fp32_affine"``
-            (weight and bias applied in fp32, as OLMo2 and LayerNorm do); ``"layernorm"`` also subtracts the
-            row mean (an exact ``nn.LayerNorm``). See ``hf_rmsnorm.ops.modes``.
+        mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32), ``"fp32_affine"`` (weight
+            and bias applied in fp32, as OLMo2 and LayerNorm do) or ``"layernorm_as_rmsnorm"`` (a LayerNorm
+            converted to RMSNorm). See ``hf_rmsnorm.ops.modes``. Deprecated: ``"layernorm"``, which subtracts the
+            row mean (an exact ``nn.LayerNorm``), runs with a ``DeprecationWarning``: call ``layer_norm``.
 
     Returns:
         The normalised tensor, in the dtype the Hugging Face module would return.
@@ -329,15 +414,9 @@ def rms_norm(
     DTensors: ``x`` sharded along any other dimension (the sequence) or replicated, with replicated ``weight`` and
     ``bias``, runs on each rank's local rows and returns a DTensor placed as ``x``; gradients are DTensors too.
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, weight, bias):
-        return call_on_local_shards(rms_norm, x, weight, eps, bias=bias, mode=mode)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        return _traced_ops(x).rms_norm(x, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, weight, bias):
-        return _RmsNormFunction.apply(x, weight, bias, eps, mode)[0]
-    return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
+    if mode == _LAYER_NORM_MODE:
+        _warn_layer_norm_mode("rms_norm", "layer_norm")
+    return norm(x, weight, eps, bias=bias, mode=mode)
 
 
 def fused_add_rms_norm(
@@ -352,7 +431,8 @@ def fused_add_rms_norm(
     """``new_residual = residual + x`` and ``rms_norm(new_residual)`` in one pass over memory.
 
     The sum is rounded to ``promote(x.dtype, residual.dtype)`` exactly as ``residual + x`` rounds, and the
-    norm reads that rounded sum, as Hugging Face's decoder layers do.
+    norm reads that rounded sum, as Hugging Face's decoder layers do. ``mode="layernorm"`` is deprecated, as in
+    ``rms_norm``: call ``fused_add_layer_norm``.
 
     Returns:
         ``(y, new_residual)``.
@@ -361,17 +441,9 @@ def fused_add_rms_norm(
         TypeError, ValueError: as ``rms_norm``; also a ValueError when ``residual`` does not have exactly
             ``x``'s shape (no broadcasting).
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, residual, weight, bias):
-        return call_on_local_shards(fused_add_rms_norm, x, residual, weight, eps, bias=bias, mode=mode)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        y, new_residual, _ = _traced_ops(x).add_rms_norm(x, residual, weight, bias, eps, mode)
-    elif _needs_autograd(x, residual, weight, bias):
-        y, new_residual, _ = _AddRmsNormFunction.apply(x, residual, weight, bias, eps, mode)
-    else:
-        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
-    return y, new_residual
+    if mode == _LAYER_NORM_MODE:
+        _warn_layer_norm_mode("fused_add_rms_norm", "fused_add_layer_norm")
+    return fused_add_norm(x, residual, weight, eps, bias=bias, mode=mode)
 
 
 def rms_norm_add(
@@ -388,18 +460,66 @@ def rms_norm_add(
 
     The norm's output is rounded to its dtype before the add, and the add rounds as ``residual + y`` does in
     torch. One kernel when the norm's output dtype is the residual's (the usual case); otherwise the norm's
-    kernel and torch's add.
+    kernel and torch's add. ``mode="layernorm"`` is deprecated, as in ``rms_norm``: call ``layer_norm_add``.
 
     Raises:
         TypeError, ValueError: as ``fused_add_rms_norm``.
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, residual, weight, bias):
-        return call_on_local_shards(rms_norm_add, x, residual, weight, eps, bias=bias, mode=mode)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        return _traced_ops(x).rms_norm_add(x, residual, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, residual, weight, bias):
-        return _RmsNormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
-    return _rms_norm_add(x, residual, weight, bias, eps, mode, store_stats=False)[0]
+    if mode == _LAYER_NORM_MODE:
+        _warn_layer_norm_mode("rms_norm_add", "layer_norm_add")
+    return norm_add(x, residual, weight, eps, bias=bias, mode=mode)
 
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dimension, with the maths and dtypes of ``torch.nn.LayerNorm``:
+    ``(x - mean) * rsqrt(var + eps) * weight + bias`` over each row, the variance biased, computed in fp32 (fp64
+    for an fp64 input) and rounded once to ``x``'s dtype.
+
+    Args:
+        x: input of shape ``[..., hidden]``; the last dimension must be contiguous or it is copied.
+        weight: ``[hidden]`` scale, or None (``elementwise_affine=False``).
+        bias: ``[hidden]`` shift, or None (``bias=False``).
+        eps: added to the variance.
+
+    Returns:
+        The normalised tensor, in ``x``'s dtype.
+
+    Raises:
+        TypeError: a tensor is not fp16, bf16, fp32 or fp64.
+        ValueError: ``x`` is 0-dimensional; ``weight`` or ``bias`` is not 1-D of ``x``'s last dimension; a tensor
+            is not on ``x``'s device; ``eps`` is negative, infinite or NaN; DTensor arguments the norm is not
+            row-local on (as ``rms_norm``, whose DTensor support this shares).
+    """
+    return norm(x, weight, eps, bias=bias, mode=_LAYER_NORM_MODE)
+
+
+def fused_add_layer_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5
+) -> tuple[Tensor, Tensor]:
+    """``new_residual = residual + x`` and ``layer_norm(new_residual)`` in one pass over memory.
+
+    The sum is rounded to ``promote(x.dtype, residual.dtype)`` exactly as ``residual + x`` rounds, and the norm
+    reads that rounded sum.
+
+    Returns:
+        ``(y, new_residual)``.
+
+    Raises:
+        TypeError, ValueError: as ``layer_norm``; also a ValueError when ``residual`` does not have exactly
+            ``x``'s shape (no broadcasting).
+    """
+    return fused_add_norm(x, residual, weight, eps, bias=bias, mode=_LAYER_NORM_MODE)
+
+
+def layer_norm_add(
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float = 1e-5
+) -> Tensor:
+    """``residual + layer_norm(x)`` in one pass over memory: the add of a post-norm layer.
+
+    The norm's output is rounded to its dtype before the add, and the add rounds as ``residual + y`` does in
+    torch. One kernel when the norm's output dtype is the residual's; otherwise the norm's kernel and torch's add.
+
+    Raises:
+        TypeError, ValueError: as ``fused_add_layer_norm``.
+    """
+    return norm_add(x, residual, weight, eps, bias=bias, mode=_LAYER_NORM_MODE)

@@ -18,7 +18,7 @@ import types
 
 from torch import Tensor, nn
 
-from ..ops import fused_add_rms_norm, rms_norm, rms_norm_add
+from ..ops.functional import fused_add_norm, norm, norm_add
 from . import handoff
 from .families import LayerKind, NormKind, StackKind
 
@@ -138,13 +138,13 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
     weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
     if add_to is not None:
-        return rms_norm_add(hidden_states, add_to, weight, eps, bias=bias, mode=kind.mode)
+        return norm_add(hidden_states, add_to, weight, eps, bias=bias, mode=kind.mode)
     if residual is not None:
-        return fused_add_rms_norm(hidden_states, residual, weight, eps, bias=bias, mode=kind.mode)
+        return fused_add_norm(hidden_states, residual, weight, eps, bias=bias, mode=kind.mode)
     normed = handoff.take(self, hidden_states)
     if normed is not None:
         return normed
-    return rms_norm(hidden_states, weight, eps, bias=bias, mode=kind.mode)
+    return norm(hidden_states, weight, eps, bias=bias, mode=kind.mode)
 
 
 def _stack_forward(self, *args, **kwargs):
