@@ -26,6 +26,7 @@ interpreter on CPU).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -40,6 +41,8 @@ import torch
 
 from hf_rmsnorm.patch import UnsupportedModelError, check_model, patch_model
 from hf_rmsnorm.patch.recognition import is_rms_norm_like
+
+from . import residual_census
 
 # Config fields shrunk when the default config (or one of its sub-configs: text, vision, ...) has them as positive
 # ints (0 often means "none of these"); never grown (a default of one expert per token, or one KV head, stays).
@@ -124,6 +127,17 @@ class Coverage:
     fp32_max_err: float | None = None
     bf16_mean_err_ratio: float | None = None
     seconds: float = 0.0
+    # In one fp32 forward (``residual_census``): the adds next to a patched norm in the unpatched model, and the
+    # adds the patched model's norm kernels made instead. None: not measured.
+    adds_next_to_norms: int | None = None
+    adds_fused_in_forward: int | None = None
+    # The code sites (file:line, one per add run) of those adds still run apart in the patched model.
+    unfused_add_sites: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def fuses_every_add(self) -> bool:
+        """Patched with parity, with every add next to a patched norm fused (none counts)."""
+        return self.verdict in ("fused", "norms only") and self.adds_fused_in_forward == self.adds_next_to_norms
 
 
 # A line of modeling code (not a comment) naming an RMSNorm class: its own, an import, or torch.nn.RMSNorm.
@@ -312,7 +326,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         result.uses_layernorm = any(_is_layer_norm(m) for m in model.modules())
         result.verdict, stage = "not run", "planning its patch"
         try:  # asked first: whether patch_model takes a model does not depend on its eager forward running here
-            check_model(model)
+            planned = check_model(model)
         except UnsupportedModelError as exc:
             result.verdict, result.reason = "skipped", str(exc).split("; supported families")[0][:300]
             return result
@@ -324,6 +338,10 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
             eager32 = _logits(model, ids)
             bf16 = copy.deepcopy(model).to(torch.bfloat16)
             eager16 = _logits(bf16, ids)
+            norms = {m for name, m in model.named_modules() if name in set(planned.norms)}
+            width = model.get_input_embeddings().embedding_dim
+            next_to_norms = residual_census.adds_next_to_norms(model, functools.partial(_logits, ids=ids), norms, width)
+            result.adds_next_to_norms = len(next_to_norms)
         except _Timeout:
             raise
         except Exception as exc:  # transformers' own unpatched model fails on the check: nothing to compare with
@@ -334,6 +352,10 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         result.norms, result.fused_adds, result.skipped_modules = (
             len(report.norms), len(report.fused_adds), len(report.skipped))
         patched32 = _logits(model, ids)
+        result.adds_fused_in_forward = residual_census.fused_adds(model, functools.partial(_logits, ids=ids))
+        if result.adds_fused_in_forward < result.adds_next_to_norms:  # sites are lines: only where some are apart
+            result.unfused_add_sites = residual_census.unfused_sites(
+                model, functools.partial(_logits, ids=ids), next_to_norms, width)
         patch_model(bf16)
         patched16 = _logits(bf16, ids)
         result.verdict, result.reason = _judge(result, truth, eager32, patched32, eager16, patched16)
@@ -474,17 +496,24 @@ def render(results: list[Coverage], transformers_version: str) -> str:
         *(f"| {v} | {' | '.join(str(counts[v, t]) for t in NORM_TYPES)} | "
           f"{sum(counts[v, t] for t in NORM_TYPES)} |" for v in VERDICTS), "",
         headline(results), "",
-        "| model type | class | verdict | norm type | norms | fused adds | skipped modules | fp32 max err | "
-        "bf16 mean err / eager | reason |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model type | class | verdict | norm type | norms | fused adds | adds next to norms: fused / all | "
+        "skipped modules | fp32 max err | bf16 mean err / eager | reason |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fp32 = "" if r.fp32_max_err is None else f"{r.fp32_max_err:.1e}"
         bf16 = "" if r.bf16_mean_err_ratio is None else f"{r.bf16_mean_err_ratio:.3f}"
         reason = r.reason.replace("|", "/")
+        census = "" if r.adds_next_to_norms is None else f"{r.adds_fused_in_forward} / {r.adds_next_to_norms}"
         lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {_norm_type_cell(r)} | {r.norms} | "
-                     f"{r.fused_adds} | {r.skipped_modules} | {fp32} | {bf16} | {reason} |")
+                     f"{r.fused_adds} | {census} | {r.skipped_modules} | {fp32} | {bf16} | {reason} |")
     return "\n".join(lines) + "\n"
+
+
+def _sites(sites: list[str]) -> str:
+    """``file:line`` sites with how many times each ran: ``modeling_x.py:12 x2, modeling_x.py:20``."""
+    counts = collections.Counter(sites)
+    return ", ".join(f"{site} x{n}" if n > 1 else site for site, n in sorted(counts.items())) or "none found"
 
 
 def _norm_type_cell(result: Coverage) -> str:
@@ -505,6 +534,19 @@ def headline(results: list[Coverage]) -> str:
     layernorm_ok = sum(r.verdict in ("fused", "norms only") for r in layernorm)
     neither = [r for r in results if norm_type(r) == "neither"]
     unknown = sum(r.uses_rmsnorm is None for r in neither)
+    full = [r for r in ok if r.fuses_every_add]
+    without_adds = [r.model_type for r in full if not r.adds_next_to_norms]
+    partly = [f"{r.model_type} ({r.adds_fused_in_forward} of {r.adds_next_to_norms}; apart: "
+              f"{_sites(r.unfused_add_sites)})" for r in ok if not r.fuses_every_add]
+    fusion = (f"**{len(full)} of the {len(ok)} RMSNorm model types patched with parity fuse every add next to a "
+              f"patched norm ({100 * len(full) / max(len(ok), 1):.0f}%)**, counted in one forward (the adds column, "
+              f"`harness/residual_census.py`); {len(without_adds)} of them have no such add "
+              f"({', '.join(without_adds) or 'none'}). The others, with the adds fused of those next to a norm: "
+              f"{'; '.join(partly) or 'none'}. Each add left apart is named by its line in the modeling code (with how "
+              "many times a forward runs it): there the add and the norm are not in one of the patterns "
+              "`hf_rmsnorm/patch/derived.py` rewrites (a scaled add through a function, a norm inside a gated "
+              "wrapper, an add between two stacks, a model loop that touches the hidden states between layers); "
+              "the patch report's skipped modules give the layers' side.")
     return (f"**{len(ok)} of the {len(rms)} model types that use an RMSNorm are patched with parity "
             f"({100 * len(ok) / max(len(rms), 1):.0f}%)**, {checked} of them built and checked here. The others "
             "count against the share and nothing else is claimed for them (the reason is in their row): "
@@ -515,7 +557,7 @@ def headline(results: list[Coverage]) -> str:
             f"not run: the norm type column). Counted apart: {layernorm_ok} of the {len(layernorm)} model types "
             "that normalise with a LayerNorm and no RMSNorm are patched with parity; "
             f"{len(neither)} model types use neither ({unknown} of them not built, their modeling code naming no "
-            "RMSNorm).")
+            "RMSNorm).\n\n" + fusion)
 
 
 def read(markdown: Path) -> list[Coverage]:

@@ -49,6 +49,14 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, *, layers: int =
     return model.to(dtype).eval()
 
 
+def assert_bf16_no_less_accurate(patched16: torch.Tensor, eager16: torch.Tensor, truth: torch.Tensor) -> None:
+    """A patched bf16 model's logits no less accurate than the eager bf16 model's against the fp64 ``truth``:
+    within one bf16 ulp of the largest logit at worst, and on average within verify.py's 10%."""
+    scale = truth.abs().max()
+    assert (patched16 - truth).abs().max() <= (eager16 - truth).abs().max() + 2**-8 * scale
+    assert (patched16 - truth).abs().mean() <= 1.10 * (eager16 - truth).abs().mean()
+
+
 def input_ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -109,7 +117,7 @@ def reachable_modules(root: torch.nn.Module) -> set[int]:
 
 def without_layer_fusion(monkeypatch, layers: dict | None = None) -> None:
     """Makes patch_model see only the registry's norms (and ``layers``, if given), recognising no layer or stack
-    by its code: the unfused baseline of the same kernels."""
+    by its code and deriving no fused forward: the unfused baseline of the same kernels."""
     from hf_rmsnorm.patch import patcher
     from hf_rmsnorm.patch.families import Registry, registry
 
@@ -118,4 +126,6 @@ def without_layer_fusion(monkeypatch, layers: dict | None = None) -> None:
                                                               else full.stacks))
     monkeypatch.setattr(patcher, "recognised_layer_kinds", lambda cls: ())
     monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
+    monkeypatch.setattr(patcher.derived, "stack_kind", lambda cls: None)
+    monkeypatch.setattr(patcher.derived, "module_calls", lambda forward: frozenset())
 

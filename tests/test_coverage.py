@@ -16,8 +16,12 @@ def test_verdicts_of_known_model_types():
     fused = coverage.check_model_type("nanochat", types["nanochat"], 60)
     assert (fused.verdict, fused.uses_rmsnorm) == ("fused", True) and fused.norms and fused.fused_adds
     assert fused.fp32_max_err <= coverage.FP32_TOLERANCE and fused.bf16_mean_err_ratio <= coverage.BF16_MEAN_SLACK
-    norms_only = coverage.check_model_type("stablelm", types["stablelm"], 60)  # its layers: no known shape
+    # The census: 2 layers x 2 adds, every one next to a norm and fused in the forward.
+    assert fused.adds_next_to_norms == fused.adds_fused_in_forward == 4 and fused.fuses_every_add
+    # Beam adds through a function of its own (a depth-scaled add), next to its norms: nothing to rewrite.
+    norms_only = coverage.check_model_type("beam", types["beam"], 60)
     assert norms_only.verdict == "norms only" and norms_only.norms and not norms_only.fused_adds
+    assert norms_only.adds_fused_in_forward == 0 and not norms_only.fuses_every_add
     skipped = coverage.check_model_type("bert", types["bert"], 60)
     assert skipped.verdict == "skipped" and "no norm hf_rmsnorm can patch" in skipped.reason
     assert skipped.uses_rmsnorm is False

@@ -434,12 +434,13 @@ def test_qk_layernorms_are_left_alone_and_report_reads_well():
 
 # Residual adds fused per tiny model (2 layers): the sequential pre-LN blocks fit the generic layer body (the
 # attention add always, the MLP add in inference), the parallel blocks the generic parallel body (their one
-# add, in inference); Falcon's, StableLM's and OPT's layers keep their forward.
-# GPT-J's block took the generic parallel shape in transformers 5.24; before, it keeps its own forward (and
-# the report says why).
-GPTJ_FUSES = Version(transformers.__version__) >= Version("5.24")
+# add, in inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived.py);
+# Falcon's and OPT's keep their forward (their adds are followed by an `if`, no norm).
+# GPT-J's block took the generic parallel shape in transformers 5.24; before, no registered shape fits it and it
+# runs its derived forward (the report says why), handing its one add to the next norm all the same.
+GPTJ_REGISTERED = Version(transformers.__version__) >= Version("5.24")
 FUSED_ADDS = {"gpt2": 4, "gpt_neox": 2, "gpt_neox_sequential": 4, "opt": 0, "phi": 2, "falcon": 0,
-              "gptj": 2 if GPTJ_FUSES else 0, "stablelm": 0}
+              "gptj": 2, "stablelm": 4}
 PARALLEL = ("gpt_neox", "phi", "gptj")
 
 
@@ -450,10 +451,13 @@ def test_sequential_blocks_fuse_their_residual_adds(family):
     truth = logits(model, x)
     report = patch_model(model)
     assert len(report.fused_adds) == FUSED_ADDS[family], report.fused_adds
-    if family == "gptj" and not GPTJ_FUSES:
-        assert "is not the signature this transformers family had" in dict(report.skipped)["transformer.h.0"]
+    if family == "gptj" and not GPTJ_REGISTERED:
+        assert dict(report.skipped)["transformer.h.0"].startswith("its forward is derived: no registered shape fits")
+        assert all(" layer output -> " in line for line in report.fused_adds)
     elif family in PARALLEL:
         assert all(" parallel residual -> " in line for line in report.fused_adds)
+    elif family == "stablelm":
+        assert sum(" layer output -> " in line for line in report.fused_adds) == FUSED_ADDS[family] // 2
     elif FUSED_ADDS[family]:
         assert sum(" mlp residual -> " in line for line in report.fused_adds) == FUSED_ADDS[family] // 2
     # Without and with autograd (the handoff between layers runs in both, LayerNorm mode) exact.
@@ -461,11 +465,20 @@ def test_sequential_blocks_fuse_their_residual_adds(family):
     assert err(model(x).logits, truth) <= 1e-5 * truth.abs().max().item()
 
 
-def test_gpt2_with_cross_attention_keeps_its_block_forward():
+def test_gpt2_with_cross_attention_fuses_through_its_derived_forward():
+    """GPT-2 with cross-attention is more than the registered block: its own forward, derived (``derived.py``),
+    runs the cross-attention as written and hands its output add to the next norm."""
     model = tiny("gpt2", add_cross_attention=True)
+    x = ids(seed=4)
+    encoder_states = torch.randn(x.shape[0], 5, model.config.n_embd, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        truth = model(x, encoder_hidden_states=encoder_states).logits
     report = patch_model(model)
-    assert report.fused_adds == []
-    assert "crossattention" in dict(report.skipped)["transformer.h.0"]
+    assert report.fused_adds == ["transformer.h.0: layer output -> transformer.h.1.ln_1",
+                                 "transformer.h.1: layer output -> transformer.ln_f"]
+    with torch.no_grad():
+        got = model(x, encoder_hidden_states=encoder_states).logits
+    assert err(got, truth) <= 1e-5 * truth.abs().max().item()
 
 
 @pytest.mark.parametrize("family", PARALLEL)

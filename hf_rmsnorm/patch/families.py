@@ -126,11 +126,41 @@ class LayerKind:
         """The token mixer a hybrid layer runs for ``switch_value``, None for an unknown value."""
         return next((m for m in self.mixers if m.switch_value == switch_value), None)
 
+    # What the planner asks of every layer kind (``derived.DerivedLayerKind`` answers it too).
+    @property
+    def fuses_inside(self) -> bool:
+        """Whether the layer fuses a residual add into one of its own norms."""
+        return bool(self.shape.inner_adds(self))
+
+    @property
+    def hands_off_last_add(self) -> bool:
+        """Whether the layer's last residual add may go into the next norm's kernel."""
+        return self.shape.hands_off_last_add
+
+    @property
+    def handoff_label(self) -> str:
+        """What the report calls the add that goes into the next norm's kernel."""
+        return self.shape.handoff_label
+
+    @property
+    def handoff_dropout(self) -> str | None:
+        """The dropout whose activity keeps that add out of the next norm's kernel, if any."""
+        return self.shape.handoff_dropout(self)
+
+    @property
+    def block(self) -> str:
+        return self.shape.block
+
     @property
     def norms(self) -> tuple[str, ...]:
         """The attribute names of the layer's norms."""
         names = (self.input_norm, self.post_attention_norm, self.pre_mlp_norm, self.post_mlp_norm)
         return tuple(n for n in names if n is not None)
+
+
+def while_inactive(dropout: str | None) -> str:
+    """The report's note on an add fused only while a residual dropout is inactive."""
+    return "" if dropout is None else f" (while {dropout} is inactive)"
 
 
 @dataclass(frozen=True)
@@ -149,11 +179,12 @@ class ResidualStream:
 class StackKind:
     """A module whose forward runs ``for layer in layers[:n]: h = layer(h, ...)`` and then ``final_norm(h)``
     with nothing else touching ``h``: the MLP residual add of layer ``i`` may then be fused with the input norm
-    of layer ``i + 1`` (or the final norm). ``stream`` is set for LayerNorm families."""
+    of layer ``i + 1`` (or the final norm; None for a stack whose last layer's output goes elsewhere, as a stack
+    derived from its code may have: ``derived.stack_kind``). ``stream`` is set for LayerNorm families."""
 
     class_path: str
     layers: str = "layers"
-    final_norm: str = "norm"
+    final_norm: str | None = "norm"
     stream: ResidualStream | None = None
 
 

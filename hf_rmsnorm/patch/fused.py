@@ -19,15 +19,16 @@ import types
 from torch import Tensor, nn
 
 from ..ops.functional import fused_add_norm, norm, norm_add
-from . import handoff
+from . import derived, handoff
+from .derived import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
 
-_FUSED: dict[tuple[type, NormKind | LayerKind | StackKind], type] = {}
+_FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind], type] = {}
 # Instance attribute of a patched stack: layer -> handoff.NextNorm.
 LINKS_ATTR = "_hf_rmsnorm_links"
 
 
-def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
+def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind) -> type:
     """The fused subclass of ``base`` for ``kind``, created once per pair."""
     cls = _FUSED.get((base, kind))
     if cls is None:
@@ -48,6 +49,8 @@ def fused_class(base: type, kind: NormKind | LayerKind | StackKind) -> type:
                 forward=_forward_like(_stack_forward, base.forward),
                 _hf_rmsnorm_checked_forward=staticmethod(base.forward),
             )
+        elif isinstance(kind, DerivedLayerKind):
+            namespace["forward"] = derived.fused_forward(base, kind)
         else:
             namespace["forward"] = _forward_like(kind.shape.body, base.forward)
             # The original's own argument names (the cache one changed across transformers releases): positional
@@ -125,7 +128,7 @@ def _reduce_ex(self, protocol):
     return _new_fused, (cls._hf_rmsnorm_base, cls._hf_rmsnorm_kind), self.__getstate__()
 
 
-def _new_fused(base: type, kind: NormKind | LayerKind | StackKind) -> nn.Module:
+def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind) -> nn.Module:
     cls = fused_class(base, kind)
     return cls.__new__(cls)
 

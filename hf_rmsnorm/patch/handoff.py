@@ -98,6 +98,23 @@ def target_of(layer: nn.Module, hidden_states: Tensor) -> NextNorm | None:
     return None if _foreign_code_between(layer, target) else target
 
 
+def add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
+    """``residual + branch``, ``layer``'s output; inside a scope, when allowed, from the next norm's kernel, which
+    also computes that norm of it and hands it over (module docstring)."""
+    target = target_of(layer, branch)
+    if target is None:
+        return residual + branch
+    normed, hidden_states = target.norm(branch, residual=residual)
+    put(target.norm, hidden_states, normed)
+    return hidden_states
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook, of ``module`` or global, would see ``module``'s call: a fused call
+    passes it other arguments than the original's."""
+    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_forward_hooks()
+
+
 def put(norm: nn.Module, hidden_states: Tensor, normed: Tensor) -> None:
     """Hands ``normed`` to ``norm`` for its next call with ``hidden_states`` (inside the current scope)."""
     _SCOPE.get().entries[norm] = (hidden_states, _version(hidden_states), torch.is_grad_enabled(), normed)

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import backend
-from . import fused
+from . import derived, fused
 from .conversion import LayerNormPlan, plan_layernorms
-from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry
+from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
 from .handoff import NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, is_recognisable_norm, recognised_layer_kinds, recognised_stack_kind
@@ -278,8 +278,8 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     )
     plan = _Plan(modules, report, layernorms)
     norms, layer_candidates, stacks, unknown_layers = _plan_norms(root, reg, plan)
-    layers = _plan_layers(layer_candidates, norms, plan)
-    _report_unknown_layers(unknown_layers, norms, plan)
+    layers, unmatched = _plan_layers(layer_candidates, norms, plan)
+    _plan_derived_layers(unknown_layers + unmatched, norms, layers, plan)
     _plan_handoffs(stacks, layers, norms, plan)
     _unplan_layers_fusing_nothing(layers, plan)
     _plan_hub_forwards(plan)
@@ -293,7 +293,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[str, nn.Module, StackKind]] = []
-    unknown_layers: list[tuple[str, nn.Module]] = []
+    unknown_layers: list[tuple[str, nn.Module, str | None]] = []
     layernorms = plan.layernorms
     recogniser = NormRecogniser()
     # The dtype of the activations the norms read (and the one a norm without a weight of its own is probed in).
@@ -345,34 +345,76 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             if kinds:
                 layer_candidates.append((name, module, tuple(kind for _, kind in kinds)))
             else:
-                unknown_layers.append((name, module))
+                unknown_layers.append((name, module, None))
         elif cls.__name__.endswith(STACK_SUFFIXES) and (recognised_stack := recognised_stack_kind(cls)):
             stacks.append((name, module, recognised_stack[1]))
+        elif cls.__name__.endswith(STACK_SUFFIXES) and (derived_stack := derived.stack_kind(cls)):
+            stacks.append((name, module, derived_stack))
     return norms, layer_candidates, stacks, unknown_layers
 
 
 # Class-name endings of the decoder layers and stacks looked at for recognition by code (``recognition.py``)
 # and, for layers, reported when their residual adds are not fused.
 DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
-STACK_SUFFIXES = ("Model", "Decoder")
+STACK_SUFFIXES = ("Model", "Decoder", "Encoder", "Transformer", "Stack")
 
 
-def _report_unknown_layers(unknown: list[tuple[str, nn.Module]], norms: dict[nn.Module, str], plan: _Plan) -> None:
-    """Reports the decoder layers of no known shape whose own norms were patched: their adds stay unfused."""
-    for name, layer in unknown:
-        if any(child in norms for child in layer.children()):
-            plan.report.skipped.append((
-                name, f"residual adds not fused: {_class_path(type(layer))} is not a decoder layer shape hf_rmsnorm "
-                "knows (its norms are patched)"
-            ))
+def _plan_derived_layers(
+    candidates: list[tuple[str, nn.Module, str | None]],
+    norms: dict[nn.Module, str],
+    layers: dict[nn.Module, tuple[str, LayerKind | derived.DerivedLayerKind]],
+    plan: _Plan,
+) -> None:
+    """Plans the decoder layers of no known shape whose forward has residual adds next to their patched norms
+    (``derived.py``); reports why each other layer with a patched norm keeps its adds unfused (``candidates``
+    carry why no registered kind fitted, if one was tried)."""
+    for name, layer, registered_problem in candidates:
+        cls = type(layer)
+        paths = {path: _module_at(layer, path) for path in derived.module_calls(cls.forward)}
+        layer_norms = frozenset(path for path, module in paths.items() if module in norms)
+        if not layer_norms:
+            if registered_problem or any(child in norms for child in layer.children()):
+                reason = registered_problem or f"{_class_path(cls)}.forward calls none of its patched norms"
+                plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
+            continue
+        problem = _class_problem(cls) or instance_problem(layer)
+        code = problem or derived.layer_code(cls.forward, layer_norms)
+        if not isinstance(code, str) and not code.sites:
+            code = f"no residual add sits next to a patched norm in {_class_path(cls)}.forward"
+        if not isinstance(code, str):
+            kind = derived.DerivedLayerKind(_class_path(cls), code.sites, code.input_norm)
+            try:
+                fused.fused_class(cls, kind)
+            except Exception as exc:  # what the derived source cannot compile or decorate is left alone
+                code = f"its derived forward failed to build ({type(exc).__name__}: {exc})"[:300]
+        if isinstance(code, str):
+            reason = f"{registered_problem}; {code}" if registered_problem else code
+            plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
+            continue
+        layers[layer] = (name, kind)
+        plan.swaps.append((layer, kind))
+        if registered_problem:
+            plan.report.skipped.append(
+                (name, f"its forward is derived: no registered shape fits ({registered_problem})"))
+        for site in kind.inner_sites:
+            plan.report.fused_adds.append(f"{name}: {site.label} -> {norms[paths[site.norm]]}")
+
+
+def _module_at(layer: nn.Module, path: tuple[str, ...]) -> object:
+    module: object = layer
+    for attr in path:
+        module = getattr(module, attr, None)
+    return module
 
 
 def _plan_layers(
     candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]], norms: dict[nn.Module, str], plan: _Plan
-) -> dict[nn.Module, tuple[str, LayerKind]]:
+) -> tuple[dict[nn.Module, tuple[str, LayerKind]], list[tuple[str, nn.Module, str]]]:
     """Plans the swaps of the decoder layers whose structure matches one of their kinds (the first that does);
-    returns them. A parallel block fuses nothing inside itself: its one add goes to the next norm (handoffs)."""
+    returns them, and the others with why none fitted. A parallel block fuses nothing inside itself: its one add
+    goes to the next norm (handoffs)."""
     layers: dict[nn.Module, tuple[str, LayerKind]] = {}
+    unmatched: list[tuple[str, nn.Module, str]] = []
     for name, layer, kinds in candidates:
         problems: dict[str, None] = {}
         for kind in kinds:
@@ -381,14 +423,14 @@ def _plan_layers(
                 break
             problems.setdefault(problem)
         else:
-            plan.report.skipped.append((name, f"residual adds not fused: {'; '.join(problems)}"))
+            unmatched.append((name, layer, "; ".join(problems)))
             continue
         layers[layer] = (name, kind)
         plan.swaps.append((layer, kind))
         for label, norm, dropout in kind.shape.inner_adds(kind):
             plan.report.fused_adds.append(
-                f"{name}: {label} -> {norms[getattr(layer, norm)]}" + _while_inactive(dropout))
-    return layers
+                f"{name}: {label} -> {norms[getattr(layer, norm)]}" + while_inactive(dropout))
+    return layers, unmatched
 
 
 def _plan_handoffs(
@@ -411,9 +453,8 @@ def _plan_handoffs(
         plan.attrs.append((stack, fused.LINKS_ATTR, links))
         for layer, target in links.items():
             layer_name, layer_kind = layers[layer]
-            shape = layer_kind.shape
-            plan.report.fused_adds.append(f"{layer_name}: {shape.handoff_label} -> {norms[target.norm]}"
-                                          + _while_inactive(shape.handoff_dropout(layer_kind)))
+            plan.report.fused_adds.append(f"{layer_name}: {layer_kind.handoff_label} -> {norms[target.norm]}"
+                                          + while_inactive(layer_kind.handoff_dropout))
 
 
 def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan) -> None:
@@ -421,9 +462,9 @@ def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]]
     links it to a next norm either: patched, it would run its adds unfused all the same, and say nothing."""
     linked = {layer for _, attr, links in plan.attrs if attr == fused.LINKS_ATTR for layer in links}
     for layer, (name, kind) in layers.items():
-        if not kind.shape.inner_adds(kind) and layer not in linked:
+        if not kind.fuses_inside and layer not in linked:
             plan.swaps.remove((layer, kind))
-            plan.report.skipped.append((name, f"residual adds not fused: a {kind.shape.block}'s add can only go "
+            plan.report.skipped.append((name, f"residual adds not fused: a {kind.block}'s add can only go "
                                               "into the next norm's kernel, and no model forward of known code "
                                               "runs this layer"))
 
@@ -434,29 +475,27 @@ def _stack_links(
     """Where the MLP residual sum of each patched layer of ``stack`` goes, for the layers followed by a patched
     layer or, for the last one, by a patched final norm."""
     layer_list = getattr(stack, kind.layers, None)
-    final_norm = getattr(stack, kind.final_norm, None)
+    final_norm = None if kind.final_norm is None else getattr(stack, kind.final_norm, None)
     if not isinstance(layer_list, nn.ModuleList):
         return {}
     links = {}
     for i, layer in enumerate(layer_list):
         # A layer whose shape fuses its last add inside it (post-norm) hands nothing on.
-        if layer not in layers or not layers[layer][1].shape.hands_off_last_add:
+        if layer not in layers or not layers[layer][1].hands_off_last_add:
             continue
         if i + 1 < len(layer_list):
             consumer = layer_list[i + 1]
             if consumer not in layers or layers[consumer][1].input_norm is None:
                 continue
-            parent, attribute = consumer, layers[consumer][1].input_norm
+            # A dotted path names a ModuleList item (``input_layernorm.0``): its parent is the list.
+            parent_path, _, attribute = layers[consumer][1].input_norm.rpartition(".")
+            parent = _module_at(consumer, tuple(parent_path.split("."))) if parent_path else consumer
         elif final_norm in norms:
             consumer, parent, attribute = final_norm, stack, kind.final_norm
         else:
             continue
         links[layer] = NextNorm(consumer, getattr(parent, attribute), parent, attribute)
     return links
-
-
-def _while_inactive(dropout: str | None) -> str:
-    return "" if dropout is None else f" (while {dropout} is inactive)"
 
 
 def _class_problem(cls: type) -> str | None:

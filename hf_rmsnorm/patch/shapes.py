@@ -41,7 +41,7 @@ def _sequential_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
 
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
-    return _add_residual(self, _scaled(self, kind, hidden_states), residual)
+    return handoff.add_residual(self, _scaled(self, kind, hidden_states), residual)
 
 
 def _post_norm_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
@@ -69,7 +69,7 @@ def _parallel_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     if kind.post_attention_norm is not None:
         normed = getattr(self, kind.post_attention_norm)(residual)
     mlp = _dropped(self, kind.mlp_dropout, getattr(self, kind.mlp)(normed))
-    return _add_residual(self, attention + mlp, residual)
+    return handoff.add_residual(self, attention + mlp, residual)
 
 
 def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwargs: dict) -> Tensor:
@@ -94,17 +94,6 @@ def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwar
     if returns_pair:
         output, _ = output
     return output
-
-
-def _add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
-    """``residual + branch``, the layer's output; in inference, when allowed, from the next norm's kernel, which
-    also computes that norm of it and hands it over (``handoff.py``)."""
-    target = handoff.target_of(layer, branch)
-    if target is None:
-        return residual + branch
-    normed, hidden_states = target.norm(branch, residual=residual)
-    handoff.put(target.norm, hidden_states, normed)
-    return hidden_states
 
 
 def _dropped(layer: nn.Module, name: str | None, branch: Tensor) -> Tensor:
@@ -132,7 +121,7 @@ def _parallel_residual_first_body(self, hidden_states: Tensor, *args, **kwargs) 
     residual = hidden_states
     normed = getattr(self, kind.input_norm)(hidden_states)
     attention = _attend(self, kind, normed, args, kwargs)
-    return _add_residual(self, getattr(self, kind.mlp)(normed), residual + attention)
+    return handoff.add_residual(self, getattr(self, kind.mlp)(normed), residual + attention)
 
 
 class LayerShape:

@@ -1,0 +1,161 @@
+"""How many of a forward's residual adds sit next to a norm, and how many of them a patched model fuses: the
+coverage page's measure of residual fusion, taken by running the model, independently of how the patcher finds
+the adds.
+
+* ``adds_next_to_norms``: in one forward of the unpatched model, the residual adds next to a given norm. A tensor
+  is on the residual stream once a norm or a layer (a module with one of the norms as a direct child) has read it
+  as its input, once it is the result of a residual add, or of a product or dtype conversion of a tensor on it
+  (a scaled residual, one kept in fp32). A residual add is an add (``a + b``, ``torch.add``,
+  ``+=``) of two tensors of one shape, as wide as the stream, one of them already on it (a branch sum inside a
+  mixture of experts, an embedding sum, a rotary embedding are not); it sits next to a norm when a norm reads its
+  result as its input, or when its other operand is a norm's output. Inputs and outputs are recorded by forward
+  pre-hooks and hooks, in the order they happen; every tensor involved is kept alive until the count is made, so
+  no id is reused.
+* ``fused_adds``: in one forward of the patched model, the norm kernel calls that also add (a fused add + norm, or
+  a norm + add of a post-norm layer): each is one add that no longer runs on its own.
+
+A model type fuses every such add when the two counts are equal; ``unfused_sites`` names the code lines of those
+it does not (the adds found next to a norm that still run as adds in the patched model).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from hf_rmsnorm.patch import fused
+
+_ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__}
+# Ops whose result stays on the stream when their first operand is on it: a residual scaled before its add
+# (``residual * alpha + h``), or carried in another dtype (``residual.to(torch.float32)``).
+_CARRIERS = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.to, Tensor.float}
+# The functional entry points a patched norm's forward calls when it adds (``hf_rmsnorm.patch.fused``).
+_ADDING_KERNELS = ("fused_add_norm", "norm_add")
+
+
+class _Census(TorchFunctionMode):
+    """Follows the residual stream through one forward (module docstring)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.kept: list[object] = []  # every tensor whose id is recorded, alive until the count
+        self.stream: set[int] = set()
+        self.norm_outputs: set[int] = set()
+        self.norm_inputs: set[int] = set()
+        # Per residual add: its result's id, whether its other operand is a norm's output, and its code site.
+        self.residual_adds: list[tuple[int, bool, str]] = []
+
+    def read_by_layer(self, tensor: object) -> None:
+        if isinstance(tensor, Tensor):
+            self.kept.append(tensor)
+            self.stream.add(id(tensor))
+
+    def read_by_norm(self, tensor: object) -> None:
+        self.read_by_layer(tensor)
+        self.norm_inputs.add(id(tensor))
+
+    def made_by_norm(self, tensor: object) -> None:
+        if isinstance(tensor, Tensor):
+            self.kept.append(tensor)
+            self.norm_outputs.add(id(tensor))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in _ADDS and len(args) >= 2 and isinstance(result, Tensor) and all(
+            isinstance(a, Tensor) and a.shape == result.shape and a.shape[-1:] == (self.width,) for a in args[:2]
+        ):
+            a, b = args[:2]
+            if id(a) in self.stream or id(b) in self.stream:
+                self.kept.extend((a, b, result))
+                other = b if id(a) in self.stream else a
+                self.residual_adds.append((id(result), id(other) in self.norm_outputs, _caller_site()))
+                self.stream.add(id(result))
+        elif func in _CARRIERS and isinstance(result, Tensor) and args and any(
+            isinstance(a, Tensor) and id(a) in self.stream and a.shape == result.shape for a in args[:2]
+        ):
+            self.read_by_layer(result)
+        return result
+
+    def next_to_norms(self) -> list[str]:
+        return [site for result, after_norm, site in self.residual_adds if result in self.norm_inputs or after_norm]
+
+
+class _AddSites(TorchFunctionMode):
+    """The code sites of every add of two same-shaped tensors ``width`` wide."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _ADDS and len(args) >= 2 and all(
+            isinstance(a, Tensor) and a.shape[-1:] == (self.width,) for a in args[:2]
+        ) and args[0].shape == args[1].shape:
+            self.sites[_caller_site()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _caller_site() -> str:
+    """``file:line`` of the Python code running the add (the frame that called into the mode)."""
+    frame = sys._getframe(2)
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+
+
+def unfused_sites(model: nn.Module, run, next_to_norms: list[str], width: int) -> list[str]:
+    """Which of the adds ``adds_next_to_norms`` found (by code site) still run as adds in ``run(model)`` of the
+    patched model, sorted: where a model type's remaining unfused adds are."""
+    recorder = _AddSites(width)
+    with torch.no_grad(), recorder:
+        run(model)
+    return sorted((collections.Counter(next_to_norms) & recorder.sites).elements())
+
+
+def adds_next_to_norms(model: nn.Module, run, norms: set[nn.Module], width: int) -> list[str]:
+    """The code sites of the residual adds (``width``: the stream's) next to one of ``norms`` in ``run(model)``,
+    one per add run (module docstring); ``model`` must be unpatched."""
+    census = _Census(width)
+    layers = {m for m in model.modules() if any(child in norms for child in m.children())}
+    handles = []
+    for layer in layers:
+        handles.append(layer.register_forward_pre_hook(
+            lambda module, args, kwargs: census.read_by_layer(args[0] if args else kwargs.get("hidden_states")),
+            with_kwargs=True))
+    for norm in norms:
+        handles.append(norm.register_forward_pre_hook(lambda module, args: census.read_by_norm(args[0])))
+        handles.append(norm.register_forward_hook(lambda module, args, output: census.made_by_norm(output)))
+    try:
+        with torch.no_grad(), census:
+            run(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return census.next_to_norms()
+
+
+def fused_adds(model: nn.Module, run) -> int:
+    """The adding kernel calls in ``run(model)`` of a patched model (module docstring)."""
+    calls = [0]
+
+    def counted(function):
+        def count(*args, **kwargs):
+            calls[0] += 1
+            return function(*args, **kwargs)
+
+        return count
+
+    with contextlib.ExitStack() as stack:
+        for name in _ADDING_KERNELS:
+            original = getattr(fused, name)
+            setattr(fused, name, counted(original))
+            stack.callback(setattr, fused, name, original)
+        with torch.no_grad():
+            run(model)
+    return calls[0]

@@ -1,0 +1,704 @@
+"""Fused forwards derived from a decoder layer's own code, for layers of no shape ``shapes.py`` describes.
+
+The forward transformers installed is read (its source, parsed) and every residual add next to a norm is found
+by its statement pattern; the fused forward is that same source with only those adds rewritten, compiled
+against the original's module globals (under its file name and line numbers), with the original's decorators
+applied again. Everything else, the
+token mixer (attention, Mamba, linear attention, a short convolution), its arguments and cache names, routers,
+scalars, returns, runs as the original's code, so no body can go stale when transformers changes a layer: a
+release that changes the layer changes the derived forward with it, and one whose adds no longer match a pattern
+fuses nothing and says so.
+
+The three patterns, in the layer's own names (``F`` is ``self.<attribute path>``, one positional argument)::
+
+    before a norm:  s = a + b; [r = s ...]; ... F(s) ...   ->  normed, s = norm_of_sum(F, a, b); [r = s]; ... normed ...
+    after a norm:   y = F(e); s = r + y   (or s = r + F(e), return r + y) ->  s = norm_then_add(F, e, r)
+    layer output:   s = a + b; return s   (or return s, ..., return a + b) ->  s = stream_sum(self, a, b); return s
+
+(``F(s)`` may sit anywhere in the statement after the add; any other read of ``s`` there must be an operand of
+an arithmetic operator. The output pattern also matches an add ending an ``if`` branch followed by the
+``return``. The layer's input norm, where a previous layer hands its output's norm over, is the norm applied to
+the input before anything else reads it, in each branch of an ``if`` alike.)
+
+``before``: the sum and the norm of it from one kernel (the norm's ``residual=``); ``after``: the norm's kernel
+also adds (its ``add_to=``); ``output``: the layer's last add, computed by the next layer's input norm (or the
+final norm) when the stack links them (``handoff.py``). Each helper checks at every call that the fused kernel
+computes what the original expression does (both operands tensors of one shape, type and device, the callee a
+patched norm without hooks) and otherwise evaluates the original expression, so a site the plan did not expect
+(a norm left alone, a broadcast add) still computes the original function. Operands are evaluated in the
+original's order; a norm's computation may move before statements that cannot touch its input (aliases), and
+an operand moved past a norm call is a plain name, never a call.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import copy
+import dis
+import functools
+import inspect
+import sys
+import textwrap
+import types
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from . import handoff
+from .families import NormKind, StackKind
+
+# The closure name the derived forward calls the helpers below by.
+_HELPERS = "_hf_rmsnorm_derived"
+_NORMED = "_hf_rmsnorm_normed_"
+
+
+@dataclass(frozen=True)
+class AddSite:
+    """A residual add of a layer's forward next to a norm: ``position`` is ``"before"`` (the norm reads the sum),
+    ``"after"`` (the sum adds the norm's output) or ``"output"`` (the layer returns the sum); ``norm`` is the norm's
+    attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file."""
+
+    position: str
+    norm: tuple[str, ...]
+    line: int
+
+    @property
+    def label(self) -> str:
+        where = {"before": "into", "after": "after", "output": "layer output"}[self.position]
+        return f"residual add at line {self.line} ({where}{' ' + '.'.join(self.norm) if self.norm else ''})"
+
+
+@dataclass(frozen=True)
+class DerivedLayerKind:
+    """A decoder layer whose fused forward is derived from its class's own forward: ``sites`` are the adds that
+    forward rewrites (the analysis's, filtered to the norms the plan patches), ``input_norm`` the dotted path of the
+    norm the forward applies to its input before anything else touches it (where a previous layer may hand its
+    output's norm over), or None."""
+
+    class_path: str
+    sites: tuple[AddSite, ...]
+    input_norm: str | None
+
+    # What the planner asks of every layer kind (as ``families.LayerKind``).
+    handoff_label = "layer output"
+    handoff_dropout = None
+    block = "layer whose one add next to a norm is its output"
+
+    @property
+    def inner_sites(self) -> tuple[AddSite, ...]:
+        return tuple(site for site in self.sites if site.position != "output")
+
+    @property
+    def fuses_inside(self) -> bool:
+        return bool(self.inner_sites)
+
+    @property
+    def hands_off_last_add(self) -> bool:
+        return any(site.position == "output" for site in self.sites)
+
+
+@dataclass(frozen=True)
+class LayerCode:
+    """What a forward's source says: its candidate add sites, in source order, and its input norm."""
+
+    sites: tuple[AddSite, ...]
+    input_norm: str | None
+
+
+@functools.lru_cache(maxsize=None)
+def stack_layout(forward: object) -> tuple[str, str | None] | None:
+    """``(layers, final norm)``, the attribute names of a stack forward of this form, or None::
+
+        for layer in self.<layers>[...]:      # or: for i, layer in enumerate(self.<layers>[...])
+            ...                               # statements that do not name h
+            h = layer(h, ...)                 # or layer(hidden_states=h, ...); h named nowhere else in the loop
+        ...                                   # statements that do not name h
+        h = self.<final norm>(h)              # or any statement reading h once, in a call self.<final norm>(h)
+
+    In such a forward nothing but the layers sees the hidden states between one layer and the next, or between
+    the last layer and the final norm: what a handoff needs (``handoff.py``). Every loop over the layers must
+    have that form (a handoff scope covers the whole forward); the final norm is None unless each loop is
+    followed by the same one (the layers still hand over to each other)."""
+    parsed = _parsed(forward)
+    if isinstance(parsed, str):
+        return None
+    function = parsed[0]
+    self_name = _self_name(function)
+    layouts = []
+    for node in ast.walk(function):
+        for statements in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
+            if not isinstance(statements, list):
+                continue
+            for i, statement in enumerate(statements):
+                if isinstance(statement, ast.For) and (layers := _iterated_layers(statement, self_name)):
+                    layouts.append((layers, _loop_final_norm(statement, statements[i + 1:], self_name)))
+    if not layouts or len({layers for layers, _ in layouts}) != 1 or any(final is False for _, final in layouts):
+        return None
+    finals = {final for _, final in layouts}
+    return layouts[0][0], finals.pop() if len(finals) == 1 else None
+
+
+def _iterated_layers(loop: ast.For, self_name: str) -> str | None:
+    """``layers`` for ``for layer in self.<layers>[...]`` or ``for i, layer in enumerate(self.<layers>[...])``."""
+    iterated = loop.iter
+    if isinstance(iterated, ast.Call) and isinstance(iterated.func, ast.Name) and iterated.func.id == "enumerate":
+        if len(iterated.args) != 1:
+            return None
+        iterated = iterated.args[0]
+    if isinstance(iterated, ast.Subscript):
+        iterated = iterated.value
+    layers = _attribute_path(iterated, self_name)
+    return layers[0] if layers is not None and len(layers) == 1 else None
+
+
+def _loop_final_norm(loop: ast.For, rest: list[ast.stmt], self_name: str) -> str | None | bool:
+    """For a loop over the layers: the final norm the statements after it apply to its output, None for none,
+    False when the loop is not of ``stack_layout``'s form."""
+    target = loop.target
+    if isinstance(loop.iter, ast.Call):  # enumerate: (i, layer)
+        if not (isinstance(target, ast.Tuple) and len(target.elts) == 2):
+            return False
+        target = target.elts[1]
+    if not isinstance(target, ast.Name) or loop.orelse:
+        return False
+    calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
+             and isinstance(s.value.func, ast.Name) and s.value.func.id == target.id]
+    if len(calls) != 1:
+        return False
+    call = calls[0].value
+    hidden = _layer_output_name(calls[0], loop.body)
+    argument = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "hidden_states"), None)
+    if not (isinstance(argument, ast.Name) and argument.id == hidden):
+        return False
+    if len(_named(loop.body, hidden)) != 2:  # the call's argument and the target it is assigned to
+        return False
+    final = _first_norm(rest, {hidden}, self_name, None)
+    return final if isinstance(final, str) and "." not in final else None
+
+
+def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
+    """The name the hidden states get from the layer call ``call``: ``h = layer(...)``, ``h, *other = layer(...)``,
+    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else)."""
+    target = call.targets[0]
+    if isinstance(target, ast.Tuple):
+        return target.elts[0].id if target.elts and isinstance(target.elts[0], ast.Name) else None
+    if not isinstance(target, ast.Name):
+        return None
+    picks = [s for s in body if _assigned_name(s) and isinstance(s.value, ast.Subscript)
+             and isinstance(s.value.value, ast.Name) and s.value.value.id == target.id
+             and isinstance(s.value.slice, ast.Constant) and s.value.slice.value == 0]
+    if picks and len(picks) == 1 and len(_named(body, target.id)) == 2:  # its assignment and the pick
+        return _assigned_name(picks[0])
+    return target.id
+
+
+def _named(statements: list[ast.stmt], name: str) -> list[ast.Name]:
+    """The occurrences of ``name`` in ``statements``, but for the elements of a tuple display (recording the hidden
+    states, ``all_hidden_states + (h,)``, neither changes them nor lets anything else reach them)."""
+    in_tuples = {id(e) for n in ast.walk(ast.Module(body=statements, type_ignores=[]))
+                 if isinstance(n, ast.Tuple) and isinstance(n.ctx, ast.Load) for e in n.elts}
+    return [n for n in ast.walk(ast.Module(body=statements, type_ignores=[]))
+            if isinstance(n, ast.Name) and n.id == name and id(n) not in in_tuples]
+
+
+def stack_kind(cls: type) -> StackKind | None:
+    """The kind of a stack class whose forward has the form ``stack_layout`` reads, None for another."""
+    layout = stack_layout(cls.forward)
+    if layout is None:
+        return None
+    return StackKind(f"{cls.__module__}.{cls.__qualname__}", layers=layout[0], final_norm=layout[1])
+
+
+# ------------------------------------------------------------------------------------------------ the helpers
+
+
+def _fusable(norm: object, a: object, b: object) -> bool:
+    """Whether ``norm``'s fused kernel computes ``norm(a + b)`` (or ``a + norm(b)``) as the original does: a
+    patched norm no hook watches, and two tensors of one shape, class and device (no broadcasting, no DTensor
+    mixed with a tensor)."""
+    return (
+        isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
+        and isinstance(a, Tensor) and isinstance(b, Tensor)
+        and type(a) is type(b) and a.shape == b.shape and a.device == b.device
+        and not handoff.hooked(norm)
+    )
+
+
+def norm_of_sum(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm(a + b), a + b)``, from one kernel when it can be."""
+    if _fusable(norm, a, b):
+        return norm(b, residual=a)
+    total = a + b
+    return norm(total), total
+
+
+def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + norm(x)``, from one kernel when it can be."""
+    if _fusable(norm, residual, x):
+        return norm(x, add_to=residual)
+    return residual + norm(x)
+
+
+def stream_sum(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """``a + b``, the layer's output: computed by the next norm's kernel when the stack links them
+    (``handoff.py``)."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape:
+        return handoff.add_residual(layer, b, a)
+    return a + b
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+
+@functools.lru_cache(maxsize=None)
+def module_calls(forward: object) -> frozenset[tuple[str, ...]]:
+    """The attribute paths of the ``self.<path>(x)`` calls in the layer forward ``forward`` (empty when its source
+    cannot be read): the planner tells the analysis which of them are patched norms."""
+    parsed = _parsed(forward)
+    if isinstance(parsed, str):
+        return frozenset()
+    function = parsed[0]
+    self_name = _self_name(function)
+    return frozenset(path for node in ast.walk(function) if (path := _module_call(node, self_name)) is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_code(forward: object, norms: frozenset[tuple[str, ...]]) -> LayerCode | str:
+    """The add sites and input norm of the layer forward ``forward`` (a class's, as defined), whose calls of
+    ``self.<path>`` for ``path`` in ``norms`` are norms; or why its source cannot be derived from."""
+    parsed = _parsed(forward)
+    if isinstance(parsed, str):
+        return parsed
+    function, _ = parsed
+    sites = _Sites(function, norms, selected=None)
+    return LayerCode(tuple(sites.applied), _input_norm(function, norms))
+
+
+def fused_forward(base: type, kind: DerivedLayerKind):
+    """``base.forward`` with ``kind.sites`` rewritten (module docstring), decorated as the original is.
+
+    Raises:
+        ValueError: the source cannot be derived from, or a site of ``kind`` is not in it (any more).
+    """
+    parsed = _parsed(base.forward)
+    if isinstance(parsed, str):
+        raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {parsed}")
+    function, original = parsed
+    norms = frozenset(site.norm for site in kind.sites if site.norm)
+    missing = set(kind.sites) - set(_Sites(function, norms, selected=frozenset(kind.sites)).applied)
+    if missing:
+        raise ValueError(f"{base.__qualname__}.forward has no {', '.join(s.label for s in missing)}")
+    decorators, function.decorator_list = function.decorator_list, []
+    namespace: dict[str, object] = {}
+    exec(_factory_code(function, original), original.__globals__, namespace)  # the imports are never run
+    forward = namespace["_hf_rmsnorm_factory"](base, _HelperNamespace)
+    forward.__qualname__ = original.__qualname__
+    for decorator in reversed(decorators):
+        expression = ast.fix_missing_locations(ast.Expression(decorator))
+        compiled = compile(expression, original.__code__.co_filename, "eval", dont_inherit=True)
+        forward = eval(compiled, original.__globals__)(forward)
+    return forward
+
+
+def _factory_code(function: ast.FunctionDef, original) -> types.CodeType:
+    """The code of ``def _hf_rmsnorm_factory(__class__, _hf_rmsnorm_derived): <function>; return it``: the
+    function's ``__class__`` cell (zero-argument ``super()``) and the helpers are the factory's arguments.
+
+    Compiled from the tree under the original's file name and line numbers, so a traceback points at the line of
+    the modeling code each statement comes from (a rewritten add keeps its line); with the original's own future
+    features (postponed annotations or not), never this module's. Run against the original's module globals
+    (read live, never written: the factory is a local)."""
+    module = ast.parse(f"def _hf_rmsnorm_factory(__class__, {_HELPERS}):\n    pass\n")
+    module.body[0].body = [function, ast.Return(ast.Name(function.name, ast.Load()))]
+    ast.copy_location(module.body[0], function)
+    # The compiler calls a module's attribute (``torch.arange(...)``) differently from an object's method when the
+    # module was imported at the top of the file: the same names are declared imported here (never run), so the
+    # bytecode is the original's.
+    imported = _module_imports(original.__module__)
+    if imported:
+        module.body.insert(0, ast.If(ast.Constant(False), [ast.Import([ast.alias("_", name) for name in imported])],
+                                     []))
+    features = original.__code__.co_flags & __future__.annotations.compiler_flag
+    return compile(ast.fix_missing_locations(module), original.__code__.co_filename, "exec", flags=features,
+                   dont_inherit=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_imports(module_name: str) -> tuple[str, ...]:
+    """The names the top level of module ``module_name`` binds by an import (empty if its source is unreadable)."""
+    try:
+        tree = ast.parse(inspect.getsource(sys.modules[module_name]))
+    except (KeyError, OSError, TypeError, SyntaxError):
+        return ()
+    names: dict[str, None] = {}
+    statements = list(tree.body)
+    while statements:
+        statement = statements.pop()
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            names.update(dict.fromkeys((a.asname or a.name).split(".")[0] for a in statement.names if a.name != "*"))
+        elif not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for field in ("body", "orelse", "finalbody"):
+                statements.extend(getattr(statement, field, None) or ())
+            for handler in getattr(statement, "handlers", ()):
+                statements.extend(handler.body)
+    return tuple(sorted(names))
+
+
+def _compiled_function(code: types.CodeType) -> types.CodeType:
+    """The function's code inside ``_factory_code``'s module code."""
+    factory = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == "_hf_rmsnorm_factory")
+    return next(c for c in factory.co_consts if isinstance(c, types.CodeType))
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Whether two code objects run the same instructions on the same names and constants (nested functions
+    alike), whatever their jump offsets, qualified names and positions."""
+    if (a.co_names, a.co_varnames, a.co_freevars) != (b.co_names, b.co_varnames, b.co_freevars):
+        return False
+    ops_a, ops_b = list(dis.get_instructions(a)), list(dis.get_instructions(b))
+    if len(ops_a) != len(ops_b):
+        return False
+    for x, y in zip(ops_a, ops_b):
+        if x.opname != y.opname:
+            return False
+        if isinstance(x.argval, types.CodeType) and isinstance(y.argval, types.CodeType):
+            if not _same_code(x.argval, y.argval):
+                return False
+        elif x.opcode not in dis.hasjrel + dis.hasjabs and x.argrepr != y.argrepr and not (
+            isinstance(x.argval, str) and isinstance(y.argval, str) and ".<locals>." in x.argval + y.argval
+        ):
+            return False
+    return True
+
+
+class _HelperNamespace:
+    """What the derived forward reaches as ``_hf_rmsnorm_derived``."""
+
+    norm_of_sum = staticmethod(norm_of_sum)
+    norm_then_add = staticmethod(norm_then_add)
+    stream_sum = staticmethod(stream_sum)
+
+
+def _parsed(forward: object) -> tuple[ast.FunctionDef, object] | str:
+    """The definition of ``forward`` (a class's, as defined, decorators included), parsed, and the undecorated
+    function; or why it cannot be rewritten."""
+    original = inspect.unwrap(forward)
+    code = getattr(original, "__code__", None)
+    name = getattr(original, "__qualname__", repr(forward))
+    if code is None:
+        return f"{name} is not a Python function"
+    if set(code.co_freevars) - {"__class__"}:
+        return f"{name} is a closure over {', '.join(code.co_freevars)}"
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(original)))
+    except (OSError, TypeError, SyntaxError) as exc:
+        return f"the source of {name} cannot be read ({type(exc).__name__})"
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef) or function.name != original.__name__ or len(function.args.args) < 2:
+        return f"the source of {name} is not a method taking the hidden states"
+    # Private names are mangled inside a class body; the derived forward is compiled outside one.
+    if any(isinstance(node, (ast.Name, ast.Attribute)) and _is_private(node) for node in ast.walk(function)):
+        return f"{name} uses a class-private __name"
+    # The source read is the code running only if it compiles to it: a file edited or replaced on disk since the
+    # module was imported (an editable install, an upgrade under a running process) must not be run instead.
+    undecorated = copy.copy(function)
+    undecorated.decorator_list = []
+    if not _same_code(_compiled_function(_factory_code(undecorated, original)), code):
+        return f"the source of {name} on disk is not the code running (its file changed since it was imported)"
+    ast.increment_lineno(tree, code.co_firstlineno - 1)
+    return function, original
+
+
+def _is_private(node: ast.Name | ast.Attribute) -> bool:
+    name = node.id if isinstance(node, ast.Name) else node.attr
+    return name.startswith("__") and not name.endswith("__")
+
+
+def _self_name(function: ast.FunctionDef) -> str:
+    return function.args.args[0].arg
+
+
+def _attribute_path(node: ast.expr, self_name: str) -> tuple[str, ...] | None:
+    """``("a", "b")`` for ``self.a.b``, ``("a", "0")`` for ``self.a[0]`` (a ``ModuleList`` item, which ``getattr``
+    finds by that name), None for anything else."""
+    path: list[str] = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            path.append(node.attr)
+        elif isinstance(node.slice, ast.Constant) and type(node.slice.value) is int and node.slice.value >= 0:
+            path.append(str(node.slice.value))
+        else:
+            return None
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == self_name and path:
+        return tuple(reversed(path))
+    return None
+
+
+def _module_call(node: ast.AST, self_name: str) -> tuple[str, ...] | None:
+    """The attribute path of ``self.a.b(x)`` (one positional argument, no keywords), None for anything else."""
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and not isinstance(
+        node.args[0], ast.Starred
+    ):
+        return _attribute_path(node.func, self_name)
+    return None
+
+
+def _assigned_name(statement: ast.stmt) -> str | None:
+    """``x`` for ``x = <value>``."""
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+        return statement.targets[0].id
+    return None
+
+
+def _sum(statement: ast.stmt) -> tuple[str, ast.BinOp] | None:
+    """``(s, a + b)`` for ``s = a + b``."""
+    name = _assigned_name(statement)
+    if name is not None and isinstance(statement.value, ast.BinOp) and isinstance(statement.value.op, ast.Add):
+        return name, statement.value
+    return None
+
+
+def _returned_sum(statement: ast.stmt) -> tuple[None, ast.BinOp] | None:
+    """``(None, a + b)`` for ``return a + b``."""
+    if isinstance(statement, ast.Return) and isinstance(statement.value, ast.BinOp) and isinstance(
+        statement.value.op, ast.Add
+    ):
+        return None, statement.value
+    return None
+
+
+def _loads(node: ast.AST, names: set[str] | None) -> list[ast.Name]:
+    """The reads of ``names`` (of every name when None) in ``node``."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and (names is None or n.id in names)]
+
+
+def _is_plain(node: ast.expr, self_name: str) -> bool:
+    # An operand that may be evaluated at another moment: a name or an attribute of self (no call).
+    return isinstance(node, ast.Name) or _attribute_path(node, self_name) is not None
+
+
+def _helper_call(name: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(ast.Attribute(ast.Name(_HELPERS, ast.Load()), name, ast.Load()), list(args), [])
+
+
+class _Sites:
+    """Finds the add sites of a function (module docstring) and rewrites those in ``selected`` (all when None),
+    in place; ``applied`` lists the rewritten ones in source order."""
+
+    def __init__(
+        self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], selected: frozenset[AddSite] | None
+    ) -> None:
+        self.self_name = _self_name(function)
+        self.norms = norms
+        self.selected = selected
+        self.applied: list[AddSite] = []
+        self.reads: dict[str, int] = {}
+        for node in _loads(function, None):
+            self.reads[node.id] = self.reads.get(node.id, 0) + 1
+        self.block(function.body, None)
+
+    def block(self, statements: list[ast.stmt], after: ast.stmt | None) -> None:
+        """Looks at one statement list; ``after`` is the statement that runs once the list ends (the one after
+        an ``if`` whose branch this is), for the output pattern."""
+        i = 0
+        while i < len(statements):
+            statement = statements[i]
+            following = statements[i + 1] if i + 1 < len(statements) else after
+            i += self._match(statements, i, following) or 1
+            if isinstance(statement, ast.If):
+                self.block(statement.body, following)
+                self.block(statement.orelse, following)
+                continue
+            for name in ("body", "orelse", "finalbody"):
+                nested = getattr(statement, name, None)
+                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
+                    self.block(nested, None)
+            for handler in getattr(statement, "handlers", ()):
+                self.block(handler.body, None)
+
+    def _norm_call(self, node: ast.AST) -> tuple[str, ...] | None:
+        """The path of ``self.<path>(x)`` when it is one of the norms."""
+        path = _module_call(node, self.self_name)
+        return path if path in self.norms else None
+
+    def _record(self, position: str, norm: tuple[str, ...], line: int) -> bool:
+        """Whether the site is to be rewritten (the caller then does); if so it counts as applied."""
+        site = AddSite(position, norm, line)
+        if self.selected is not None and site not in self.selected:
+            return False
+        self.applied.append(site)
+        return True
+
+    def _match(self, statements: list[ast.stmt], i: int, following: ast.stmt | None) -> int:
+        """Records (and rewrites, if selected) the pattern starting at ``statements[i]``; returns how many
+        statements it spans, 0 for none."""
+        return (
+            self._before_norm(statements, i)
+            or self._after_norm(statements, i)
+            or self._output(statements, i, following)
+        )
+
+    def _before_norm(self, statements: list[ast.stmt], i: int) -> int:
+        found = _sum(statements[i])
+        if found is None:
+            return 0
+        total, add = found
+        names, j = {total}, i + 1
+        while j < len(statements) and isinstance(statements[j], ast.Assign) and _assigned_name(statements[j]) and (
+            isinstance(statements[j].value, ast.Name) and statements[j].value.id == total
+        ):
+            names.add(_assigned_name(statements[j]))
+            j += 1
+        if j == len(statements) or not isinstance(statements[j], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
+            return 0
+        consumer = statements[j]
+        call = next((node for node in ast.walk(consumer) if self._norm_call(node)
+                     and isinstance(node.args[0], ast.Name) and node.args[0].id == total), None)
+        # Other reads of the sum in that statement see the same tensor either way, as long as nothing evaluated
+        # before the norm could change it: they must be plain operands of an arithmetic operator, no call's.
+        operands = {id(operand) for node in ast.walk(consumer) if isinstance(node, ast.BinOp)
+                    for operand in (node.left, node.right)}
+        if call is None or any(use is not call.args[0] and id(use) not in operands for use in _loads(consumer, names)):
+            return 0
+        if not self._record("before", self._norm_call(call), add.lineno):
+            return 0
+        normed = f"{_NORMED}{add.lineno}"
+        statements[i] = ast.Assign(
+            [ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(total, ast.Store())], ast.Store())],
+            _helper_call("norm_of_sum", call.func, add.left, add.right),
+            lineno=add.lineno,
+        )
+        _replace(consumer, call, ast.Name(normed, ast.Load()))
+        return 1
+
+    def _after_norm(self, statements: list[ast.stmt], i: int) -> int:
+        # One statement: s = r + F(e) or s = F(e) + r.
+        found = _sum(statements[i])
+        if found is not None:
+            total, add = found
+            for normed, residual in ((add.right, add.left), (add.left, add.right)):
+                if self._norm_call(normed) is not None and _is_plain(residual, self.self_name):
+                    return int(self._rewrite_after(statements, i, total, normed, residual, add.lineno))
+            return 0
+        # Two statements: y = F(e); s = r + y (or return r + y), where y is s or read nowhere else.
+        normed_name = _assigned_name(statements[i])
+        if normed_name is None or self._norm_call(statements[i].value) is None or i + 1 == len(statements):
+            return 0
+        found = _sum(statements[i + 1]) or _returned_sum(statements[i + 1])
+        if found is None:
+            return 0
+        total, add = found
+        for normed, residual in ((add.right, add.left), (add.left, add.right)):
+            if (
+                isinstance(normed, ast.Name) and normed.id == normed_name and _is_plain(residual, self.self_name)
+                and not _loads(residual, {normed_name})
+                and (normed_name == total or not self._read_elsewhere(normed_name, (statements[i], statements[i + 1])))
+            ):
+                if not self._rewrite_after(statements, i + 1, total, statements[i].value, residual, add.lineno):
+                    return 0
+                statements[i] = ast.Pass(lineno=statements[i].lineno)
+                return 2
+        return 0
+
+    def _read_elsewhere(self, name: str, statements: tuple[ast.stmt, ...]) -> bool:
+        """Whether ``name`` is read anywhere in the function but ``statements``."""
+        return self.reads.get(name, 0) != sum(len(_loads(s, {name})) for s in statements)
+
+    def _rewrite_after(
+        self, statements: list[ast.stmt], i: int, total: str | None, call: ast.Call, residual: ast.expr, line: int
+    ) -> bool:
+        """Makes ``statements[i]`` ``total = norm_then_add(self.<norm>, x, residual)`` (``return ...`` when
+        ``total`` is None) for the norm call ``self.<norm>(x)``, if selected."""
+        if not self._record("after", self._norm_call(call), line):
+            return False
+        value = _helper_call("norm_then_add", call.func, call.args[0], residual)
+        statements[i] = (ast.Return(value, lineno=line) if total is None
+                         else ast.Assign([ast.Name(total, ast.Store())], value, lineno=line))
+        return True
+
+    def _output(self, statements: list[ast.stmt], i: int, following: ast.stmt | None) -> int:
+        statement = statements[i]
+        if (returned := _returned_sum(statement)) is not None:
+            add = returned[1]
+        elif (found := _sum(statement)) is not None and _returns(following, found[0]):
+            add = found[1]
+        else:
+            return 0
+        if not self._record("output", (), add.lineno):
+            return 0
+        statement.value = _helper_call("stream_sum", ast.Name(self.self_name, ast.Load()), add.left, add.right)
+        return 1
+
+
+def _returns(statement: ast.stmt | None, name: str) -> bool:
+    """Whether ``statement`` is ``return name`` or ``return name, ...`` (the stack takes the first item)."""
+    if not isinstance(statement, ast.Return):
+        return False
+    value = statement.value
+    if isinstance(value, ast.Tuple) and value.elts:
+        value = value.elts[0]
+    return isinstance(value, ast.Name) and value.id == name
+
+
+def _replace(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is old:
+                setattr(parent, field, new)
+            elif isinstance(value, list):
+                for k, item in enumerate(value):
+                    if item is old:
+                        value[k] = new
+
+
+def _input_norm(function: ast.FunctionDef, norms: frozenset[tuple[str, ...]]) -> str | None:
+    """The attribute of the norm the forward applies to its first argument before anything could touch it, or
+    None (``_first_norm``)."""
+    found = _first_norm(function.body, {function.args.args[1].arg}, _self_name(function), norms)
+    return found if isinstance(found, str) else None
+
+
+def _reads_as_is(argument: ast.expr, name: ast.Name) -> bool:
+    """Whether ``argument`` is ``name`` or ``name.to(...)``: the very tensor when the conversion has nothing to do
+    (a handed-over norm is taken only for the identical tensor, ``handoff.take``)."""
+    if isinstance(argument, ast.Call) and isinstance(argument.func, ast.Attribute) and argument.func.attr == "to":
+        argument = argument.func.value
+    return argument is name
+
+
+def _first_norm(
+    statements: list[ast.stmt], names: set[str], self_name: str, norms: frozenset[tuple[str, ...]] | None
+) -> str | bool:
+    """Follows ``names`` (the input and its aliases ``r = x``) through ``statements``: the norm's dotted path when
+    the first statement naming them reads them once, as the argument of ``self.<norm>(x)`` or ``self.<norm>(x.to(...))``
+    (any module call when ``norms`` is None), anywhere in that statement: nothing evaluated before it can reach the
+    input; or, for an ``if`` that does not read them in its test, when both branches begin so with the same norm.
+    False when something else names them first; True when nothing does."""
+    for statement in statements:
+        if isinstance(statement, ast.If) and not _loads(statement.test, names):
+            branches = {_first_norm(b, set(names), self_name, norms) for b in (statement.body, statement.orelse)}
+            if branches == {True}:
+                continue
+            return branches.pop() if len(branches) == 1 else False
+        named = [n for name in names for n in _named([statement], name)]
+        if not named:
+            continue
+        uses = [n for n in named if isinstance(n.ctx, ast.Load)]
+        if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name) and _assigned_name(statement):
+            names.add(_assigned_name(statement))
+            continue
+        if len(uses) != 1 or len(named) != 1 + sum(id(n) in _store_ids(statement) for n in named):
+            return False
+        calls = [node for node in ast.walk(statement) if _module_call(node, self_name) is not None
+                 and (norms is None or _module_call(node, self_name) in norms) and _reads_as_is(node.args[0], uses[0])]
+        return ".".join(_module_call(calls[0], self_name)) if calls else False
+    return True
+
+
+def _store_ids(statement: ast.stmt) -> set[int]:
+    """The names an assignment statement binds (its targets)."""
+    targets = getattr(statement, "targets", None) or [getattr(statement, "target", None)]
+    return {id(n) for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}

@@ -1,0 +1,371 @@
+"""Fused forwards derived from a layer's own code (``hf_rmsnorm.patch.derived``): the patterns it rewrites and
+those it must leave alone, the guards that keep a rewritten add exact, and the model types it newly fuses, each
+a tiny model of transformers' own classes compared with its eager self, with an fp64 copy and in training."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import linecache
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from transformers import CONFIG_MAPPING
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from harness import residual_census
+from patch_models import assert_bf16_no_less_accurate
+from hf_rmsnorm import check_model, patch_model, unpatch_model
+from hf_rmsnorm.patch import derived
+from hf_rmsnorm.patch.derived import AddSite
+
+HIDDEN = 48
+
+# ----------------------------------------------------------------------------------- toy layers and stacks
+
+
+class ToyDecoderLayer(nn.Module):
+    """A pre-norm layer of no registered shape: its second norm nested in the MLP call, a scaled branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
+        self.post_attention_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
+        self.mixer = nn.Linear(HIDDEN, HIDDEN)
+        self.mlp = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = residual + self.mixer(hidden_states) * scale
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+class ToyPostNormDecoderLayer(ToyDecoderLayer):
+    """Post-norm adds, one in each form, and an output add inside an ``if`` whose ``return`` follows it."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.mixer(hidden_states)
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        hidden_states = hidden_states + self.post_attention_layernorm(self.mlp(hidden_states))
+        if scale:
+            hidden_states = hidden_states + self.mixer(hidden_states) * scale
+        return hidden_states
+
+
+class ToyModel(nn.Module):
+    def __init__(self, layer: type, n_layers: int = 2) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer() for _ in range(n_layers))
+        self.norm = LlamaRMSNorm(HIDDEN, eps=1e-6)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+
+
+def _toy(layer: type = ToyDecoderLayer, dtype: torch.dtype = torch.float32) -> ToyModel:
+    torch.manual_seed(0)
+    model = ToyModel(layer)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.5)  # trained-like: a wrong casting order would show, as ones would not
+    return model.to(dtype).eval()
+
+
+def _states(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def _sites(cls: type, norms=("input_layernorm", "post_attention_layernorm")) -> tuple[AddSite, ...]:
+    code = derived.layer_code(cls.forward, frozenset((n,) for n in norms))
+    assert not isinstance(code, str), code
+    return code.sites
+
+
+def test_a_toy_layer_fuses_its_adds_and_hands_its_output_to_the_next_norm():
+    model = _toy()
+    x = _states()
+    with torch.no_grad():
+        expected = model(x)
+        report = patch_model(model)
+        got = model(x)
+    assert report.fused_adds == [
+        f"layers.{i}: residual add at line {ToyDecoderLayer.forward.__code__.co_firstlineno + 3} "
+        f"(into post_attention_layernorm) -> layers.{i}.post_attention_layernorm" for i in range(2)
+    ] + ["layers.0: layer output -> layers.1.input_layernorm", "layers.1: layer output -> norm"]
+    # fp32: the kernels' sums are torch's; each norm may differ from the eager one by its rounding (a few ulps).
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+    unpatch_model(model)
+    assert type(model.layers[0]) is ToyDecoderLayer
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_post_norm_adds_and_an_output_add_inside_an_if_are_found():
+    lines = ToyPostNormDecoderLayer.forward.__code__.co_firstlineno
+    assert _sites(ToyPostNormDecoderLayer) == (
+        AddSite("after", ("input_layernorm",), lines + 4),
+        AddSite("after", ("post_attention_layernorm",), lines + 5),
+        AddSite("output", (), lines + 7),
+    )
+    model = _toy(ToyPostNormDecoderLayer)
+    x = _states()
+    with torch.no_grad():
+        expected = model(x)
+        patch_model(model)
+        torch.testing.assert_close(model(x), expected, rtol=2e-6, atol=2e-6)
+
+
+class _Unfusable(ToyDecoderLayer):
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        residual = hidden_states
+        # The sum is read again by the statement that norms it: the norm cannot move before that statement.
+        hidden_states = residual + self.mixer(hidden_states)
+        hidden_states = self.mlp(hidden_states) * self.input_layernorm(hidden_states)
+        # A statement that may change the sum between the add and the norm.
+        total = residual + hidden_states
+        total.mul_(scale)
+        hidden_states = self.post_attention_layernorm(total)
+        # An in-place add, and a norm whose output is read again after the add.
+        hidden_states += residual
+        normed = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + normed
+        hidden_states = hidden_states * normed.mean()
+        return hidden_states * scale
+
+
+def test_patterns_that_would_change_the_function_are_left_alone():
+    assert _sites(_Unfusable) == ()
+
+
+def test_only_norm_calls_count_and_the_input_norm_must_come_first():
+    code = derived.layer_code(ToyDecoderLayer.forward, frozenset({("post_attention_layernorm",)}))
+    # mixer and mlp are no norms; the input norm is not one of the given norms either.
+    assert [s.position for s in code.sites] == ["before", "output"]
+    assert code.input_norm is None
+    assert derived.layer_code(ToyDecoderLayer.forward, frozenset({("input_layernorm",)})).input_norm == (
+        "input_layernorm")
+
+
+def test_a_broadcast_operand_or_a_hooked_norm_runs_the_original_expression():
+    """The helpers evaluate the original expression whenever the kernel would not compute it: here a norm with a
+    hook (which must see the sum, as in the unpatched model) and a residual that broadcasts."""
+    model = _toy()
+    x = _states()
+    seen = []
+    with torch.no_grad():
+        expected = model(x)
+        patch_model(model)
+        handle = model.layers[0].post_attention_layernorm.register_forward_pre_hook(
+            lambda module, args: seen.append(args[0]))
+        torch.testing.assert_close(model(x), expected, rtol=2e-6, atol=2e-6)
+        handle.remove()
+        assert len(seen) == 1 and seen[0].shape == x.shape
+        norm = model.layers[0].post_attention_layernorm
+        row = x[:1, :1]
+        normed, total = derived.norm_of_sum(norm, row, x)
+        assert torch.equal(total, row + x)
+        torch.testing.assert_close(normed, norm(row + x), rtol=0, atol=0)
+
+
+def test_a_patched_toy_model_copies_pickles_and_trains_like_the_original():
+    model = _toy().train()
+    patched = copy.deepcopy(model)
+    assert len(patch_model(patched).fused_adds) == 4
+    restored = pickle.loads(pickle.dumps(patched))
+    assert type(restored.layers[0]).forward is type(patched.layers[0]).forward
+    x = _states().requires_grad_()
+    grads = []
+    for m in (model, patched, restored):
+        x.grad = None
+        m.zero_grad()
+        m(x).square().sum().backward()
+        grads.append({"x": x.grad.clone(), **{n: p.grad for n, p in m.named_parameters()}})
+    for got in grads[1:]:
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_derived_forward_keeps_the_decorators_signature_and_source():
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeDecoderLayer
+
+    sites = _sites(GraniteMoeDecoderLayer)
+    forward = derived.fused_forward(GraniteMoeDecoderLayer, derived.DerivedLayerKind("x", sites, "input_layernorm"))
+    import inspect
+
+    assert inspect.signature(forward) == inspect.signature(GraniteMoeDecoderLayer.forward)
+    assert hasattr(GraniteMoeDecoderLayer.forward, "__wrapped__") == hasattr(forward, "__wrapped__")
+    # Compiled under the original's file and lines (tracebacks point at the modeling code), calling the helpers.
+    code, original = inspect.unwrap(forward).__code__, inspect.unwrap(GraniteMoeDecoderLayer.forward).__code__
+    assert code.co_filename == original.co_filename
+    assert linecache.getline(code.co_filename, code.co_firstlineno).strip().startswith("def forward(")
+    assert {"norm_of_sum", "stream_sum"} <= set(code.co_names)
+
+
+# ----------------------------------------------------------------------------------- transformers' own models
+
+# Model types of no registered layer shape, fused through their derived forwards (docs/coverage.md), with the
+# residual adds their tiny model (coverage's config) fuses: every add next to a patched norm, as the residual
+# census counts them (checked too). Types a transformers release lacks are skipped.
+DERIVED_TYPES = {
+    "granitemoe": 4, "jamba": 4, "lfm2": 8, "falcon_h1": 4, "nemotron_h": 4, "minimax": 4, "gemma4_text": 6,
+    "apertus": 4, "stablelm": 4, "mamba": 2, "bamba": 4, "flex_olmo": 4, "vaultgemma": 4, "jetmoe": 4,
+    "longcat_flash": 8, "glm_moe_dsa": 4,
+}
+
+
+def _build(model_type: str):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    from harness.coverage import _build as build
+
+    return build(model_type)
+
+
+def _width(model) -> int:
+    return model.get_input_embeddings().embedding_dim
+
+
+def _ids(model) -> torch.Tensor:
+    return torch.randint(3, min(model.config.get_text_config().vocab_size, 100), (2, 7),
+                         generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.double()
+
+
+@pytest.mark.parametrize("model_type", sorted(DERIVED_TYPES))
+def test_derived_model_types_patch_with_parity(model_type):
+    model = _build(model_type)
+    ids = _ids(model)
+    truth = _logits(copy.deepcopy(model).double(), ids)
+    eager32 = _logits(model, ids)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    eager16 = _logits(bf16, ids)
+
+    norms = {m for name, m in model.named_modules() if name in set(check_model(model).norms)}
+    run = functools.partial(_logits, ids=ids)
+    next_to_norms = residual_census.adds_next_to_norms(model, run, norms, _width(model))
+    report = patch_model(model)
+    assert len(report.fused_adds) == DERIVED_TYPES[model_type], str(report)
+    assert residual_census.fused_adds(model, run) == len(next_to_norms) == DERIVED_TYPES[model_type]
+    scale = truth.abs().max().item()
+    assert (_logits(model, ids) - eager32).abs().max().item() <= 1e-5 * scale
+
+    patch_model(bf16)
+    assert_bf16_no_less_accurate(_logits(bf16, ids), eager16, truth)
+
+    unpatch_model(model)
+    assert (_logits(model, ids) - eager32).abs().max().item() == 0
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "nemotron_h", "mamba", "gemma4_text", "falcon_h1"])
+def test_derived_model_types_generate_with_their_caches(model_type):
+    """Greedy generate(): the derived forward calls the mixers (attention, Mamba, short convolutions) as the
+    original does, with their caches; fp32 tokens identical to the eager model's."""
+    model = _build(model_type)
+    ids = _ids(model)
+    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+        patch_model(model)
+        patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+    assert torch.equal(patched, eager)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "jamba", "gemma4_text"])
+def test_derived_model_types_train_like_the_original(model_type):
+    model = _build(model_type).train()
+    patched = copy.deepcopy(model)
+    assert patch_model(patched).fused_adds
+    ids = _ids(model)
+    losses, grads = [], []
+    for m in (model, patched):
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: p.grad for name, p in m.named_parameters() if p.grad is not None})
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert grads[1].keys() == grads[0].keys()
+    for name, grad in grads[0].items():
+        # fp32 roundings of the fused sums and norms, carried through the layers: bounded relative to the
+        # gradient's own scale (entries near zero get the absolute part).
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
+
+
+def test_a_registered_layer_that_no_kind_fits_falls_back_to_its_derived_forward(monkeypatch):
+    """What a transformers release that changes a registered layer gets: not a stale body, but the new forward's
+    own code with its adds rewritten (here the registered kind is made not to fit)."""
+    import dataclasses
+
+    from patch_models import input_ids, tiny_model
+
+    from hf_rmsnorm.patch import patcher
+    from hf_rmsnorm.patch.families import Registry, registry
+
+    model = tiny_model("llama")
+    full = registry()
+    changed = {cls: tuple((family, dataclasses.replace(kind, forward_params=("hidden_states", "mask")))
+                          for family, kind in kinds) for cls, kinds in full.layers.items()}
+    monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, changed, full.stacks))
+    ids = input_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+        report = patch_model(model)
+        got = model(ids).logits
+    assert len(report.fused_adds) == 4 and all("residual add at line" in line or "layer output" in line
+                                               for line in report.fused_adds)
+    assert dict(report.skipped)["model.layers.0"].startswith(
+        "its forward is derived: no registered shape fits (forward(hidden_states")
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_a_vision_tower_fuses_through_its_derived_forward():
+    """Pixtral's vision layers (no registered shape): the attention add goes into the FFN norm's kernel, and a
+    layer's output into the next layer's first norm."""
+    from transformers import PixtralVisionConfig, PixtralVisionModel
+
+    config = PixtralVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 head_dim=16, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = PixtralVisionModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.5)
+    pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(pixels, image_sizes=[(32, 32)]).last_hidden_state
+        report = patch_model(model)
+        got = model(pixels, image_sizes=[(32, 32)]).last_hidden_state
+    # Each layer's attention add into its FFN norm; the first layer's output into the second's attention norm
+    # (PixtralTransformer's loop, read as a stack without a final norm).
+    assert sum(" (into ffn_norm) -> transformer.layers." in line for line in report.fused_adds) == 2
+    assert report.fused_adds[2] == "transformer.layers.0: layer output -> transformer.layers.1.attention_norm"
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("model_type", ["stablelm", "lfm2"])
+def test_torch_compile_fullgraph_of_a_derived_model(model_type):
+    """The derived forwards and their helpers trace as Python code, with no graph break."""
+    model = _build(model_type)
+    ids = _ids(model)
+    expected = _logits(model, ids)
+    patch_model(model)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        got = compiled(ids, use_cache=False).logits.double()
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
