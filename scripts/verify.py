@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 # Lets the script run from a checkout that was not pip-installed.
@@ -21,16 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Neither imports torch or transformers, so --help and argument errors answer at once.
 from hf_rmsnorm.tools import cli  # noqa: E402
-from hf_rmsnorm.tools.verify_settings import DEFAULTS, VERDICT_RULE, VerifyConfig  # noqa: E402
+from hf_rmsnorm.tools.verify_settings import DEFAULTS, VERDICT_RULE, Option, VerifyConfig  # noqa: E402
 
 EXIT_STATUSES = "Exit status: 0 passed, 1 failed, 2 bad input, 3 internal error."
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The command line; per-device settings the user left out are None (see ``with_defaults``)."""
-    from hf_rmsnorm.tools.presets import DEFAULT_MODEL, PRESETS, REAL_PRESETS
-
-    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
     parser = cli.ArgumentParser(
         prog="verify.py",
         description="Runs a model unpatched and patched by hf_rmsnorm on the same left-padded batch (chat "
@@ -42,30 +40,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "model in fp32 (fp64).",
         epilog=f"Verdict: {VERDICT_RULE} {EXIT_STATUSES}",
     )
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_PATH",
-                        help=f"a real-weights preset ({', '.join(REAL_PRESETS)}; default {DEFAULT_MODEL}: from "
-                        "the Hub, else offline from its pip package), a random-weight preset "
-                        f"({', '.join(PRESETS)}), a directory written by save_pretrained, or a Hub id")
-    parser.add_argument("--dtype", default="bf16", metavar="{bf16,fp16,fp32}", help="model dtype (default bf16)")
     parser.add_argument("--device", default="auto", choices=cli.DEVICES, help="auto: cuda if available, else cpu")
-    parser.add_argument("--batch-size", type=cli.at_least(1), default=None,
-                        help=f"rows per batch (default {gpu['batch_size']} on GPU, {cpu['batch_size']} on CPU); "
-                        "the speed run uses unpadded rows, the parity batch at least 2 left-padded rows")
-    parser.add_argument("--prompt-len", type=cli.at_least(2), default=None,
-                        help=f"prompt tokens per row of the speed run, and of the parity run for models without "
-                        f"a tokenizer (default {gpu['prompt_len']} on GPU, {cpu['prompt_len']} on CPU)")
-    parser.add_argument("--max-new-tokens", type=cli.at_least(2, "decode is timed over the tokens after the "
-                                                                 "first, so it needs two"), default=None,
-                        help=f"greedy tokens generated per row (default {gpu['max_new_tokens']} on GPU, "
-                        f"{cpu['max_new_tokens']} on CPU; parity rows stop early at end-of-sequence)")
-    parser.add_argument("--repeats", type=cli.at_least(1), default=None,
-                        help=f"timed runs per speed figure, median reported (default {gpu['repeats']}; GPU only)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the report as JSON")
-    parser.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights (default 0)")
-    parser.add_argument("--compile", action="store_true",
-                        help="generate with transformers' compiled generation, unpatched and patched alike: a static "
-                        "cache and torch.compile of each decoding step (CUDA graphs, mode reduce-overhead, on a "
-                        "GPU; inductor's default mode on CPU, slow to compile); the logits parity stays eager")
+    for setting in fields(VerifyConfig):  # every other option is declared once, on its VerifyConfig field
+        option: Option = setting.metadata["option"]
+        flag = "--" + setting.name.replace("_", "-")
+        if option.store_true:
+            parser.add_argument(flag, action="store_true", help=option.help)
+        else:
+            parser.add_argument(flag, type=option.type, default=option.default, metavar=option.metavar,
+                                help=option.help)
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.expanduser().absolute().parent.is_dir():
         raise cli.InputError(f"--json {args.json}: directory {args.json.expanduser().absolute().parent} "
