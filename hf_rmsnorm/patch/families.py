@@ -13,6 +13,7 @@ norm of an unknown class is reported as skipped, never patched on a guess.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -450,14 +451,21 @@ def family_names() -> str:
     return f"{rms}; LayerNorm models: {layernorm}"
 
 
-def resolve_class(path: str) -> type | None:
-    """The class defined at ``module.Class``, or ``None`` when that module is not loaded (then no model can hold
-    an instance of it, so nothing is imported here) or this transformers version has no such class.
+def class_at(path: str, *, importing: bool = False) -> type | None:
+    """The class defined at ``module.Class``, or ``None`` when this transformers version has no such class or,
+    unless ``importing``, when that module is not loaded (then no model can hold an instance of it, so nothing is
+    imported: what the registry wants). ``importing`` imports the module: the code of a registered class is
+    ``recognition``'s reference even when the model being patched does not use that class.
 
     A name that another library rebound to its own class (some plugins assign their norm class into
     transformers' modeling modules) does not count: the class must say it was defined there.
     """
     module, _, name = path.rpartition(".")
+    if importing:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            return None
     cls = getattr(sys.modules.get(module), name, None)
     if not isinstance(cls, type) or cls.__module__ != module or cls.__qualname__ != name:
         return None
@@ -479,7 +487,7 @@ def registry() -> Registry:
     for family in FAMILIES:
         for table, kinds in (("norms", family.norms), ("layers", family.layers), ("stacks", family.stacks)):
             for kind in kinds:
-                cls = resolve_class(kind.class_path)
+                cls = class_at(kind.class_path)
                 if cls is None:
                     continue
                 if table == "layers":

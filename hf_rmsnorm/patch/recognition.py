@@ -28,7 +28,6 @@ So instead of a list of class names:
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import io
 import textwrap
@@ -40,7 +39,7 @@ from torch import Tensor, nn
 
 from ..ops import reference
 from ..ops.modes import MODES, dtype_of
-from .families import FAMILIES, LayerKind, NormKind, StackKind
+from .families import FAMILIES, LayerKind, NormKind, StackKind, class_at
 
 # Attribute names an RMSNorm keeps its epsilon under, in the order they are tried.
 EPS_ATTRS = ("variance_epsilon", "eps")
@@ -300,22 +299,11 @@ def same_code(a: type, b: type) -> bool:
     return code is not None and code == _code_of(b.forward)
 
 
-def _importable_class(path: str) -> type | None:
-    """The class at ``module.Class``, importing its module (unlike ``families.resolve_class``): the code of a
-    registered class is the reference even when the model being patched does not use that class."""
-    module, _, name = path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return cls if isinstance(cls, type) and cls.__module__ == module and cls.__qualname__ == name else None
-
-
 def recognised_layer_kinds(cls: type) -> tuple[tuple[str, LayerKind], ...]:
     """The kinds of the registered layer class whose forward ``cls.forward`` is, under ``cls``'s own path."""
     for family in FAMILIES:
         for kind in family.layers:
-            known = _importable_class(kind.class_path)
+            known = class_at(kind.class_path, importing=True)
             if known is not None and known is not cls and same_code(cls, known):
                 path = f"{cls.__module__}.{cls.__qualname__}"
                 return tuple((family.name, replace(k, class_path=path)) for k in family.layers
@@ -328,7 +316,7 @@ def recognised_stack_kind(cls: type) -> tuple[str, StackKind] | None:
     LayerNorm stacks are not recognised: their kinds name the LayerNorms of one family's layers."""
     for family in FAMILIES:
         for kind in family.stacks:
-            known = None if kind.stream is not None else _importable_class(kind.class_path)
+            known = None if kind.stream is not None else class_at(kind.class_path, importing=True)
             if known is not None and known is not cls and same_code(cls, known):
                 return family.name, replace(kind, class_path=f"{cls.__module__}.{cls.__qualname__}")
     return None
