@@ -37,6 +37,7 @@ _ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Te
 _CARRIERS = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.to, Tensor.float}
 # The functional entry points a patched norm's forward calls when it adds (``hf_rmsnorm.patch.fused``).
 _ADDING_KERNELS = ("fused_add_norm", "norm_add")
+_PACKAGE = Path(fused.__file__).resolve().parents[1]
 
 
 class _Census(TorchFunctionMode):
@@ -104,8 +105,12 @@ class _AddSites(TorchFunctionMode):
 
 
 def _caller_site() -> str:
-    """``file:line`` of the Python code running the add (the frame that called into the mode)."""
+    """``file:line`` of the model code running the add: the frame that called into the mode, or, for an add
+    hf_rmsnorm runs for a patched layer (a derived forward's helper falling back to the plain add), the layer's
+    statement that called it (a derived forward keeps the original's file and lines)."""
     frame = sys._getframe(2)
+    while frame.f_back is not None and _PACKAGE in Path(frame.f_code.co_filename).parents:
+        frame = frame.f_back
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 

@@ -158,6 +158,68 @@ def test_only_norm_calls_count_and_the_input_norm_must_come_first():
         "input_layernorm")
 
 
+class _ChunkedModel(ToyModel):
+    """Two loops over the layers, as xLSTM's: chunks copied out of the last layer, or the whole stream."""
+
+    def forward(self, hidden_states: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        if chunk:
+            out = torch.zeros_like(hidden_states)
+            offset = 0
+            while offset < hidden_states.shape[1]:
+                piece = hidden_states[:, offset:offset + chunk]
+                for layer in self.layers:
+                    piece = layer(piece)
+                out[:, offset:offset + chunk] = piece
+                offset += chunk
+            hidden_states = out
+        else:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+
+
+class _EditedModel(ToyModel):
+    """A loop whose output is changed in place before the final norm: no final norm may be linked."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        hidden_states.mul_(2)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states
+
+
+class _RereadModel(ToyModel):
+    """A chunk loop whose output the next iteration reads before rebinding it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        piece = hidden_states
+        while piece.shape[1] > 1:
+            for layer in self.layers:
+                piece = layer(piece)
+            piece = piece[:, 1:]
+        hidden_states = self.norm(piece)
+        return hidden_states
+
+
+def test_model_loops_are_followed_to_the_end_of_the_forward():
+    """The final norm is linked only where every loop's output reaches it untouched or never reaches anything
+    again (copied out, rebound): xLSTM's chunked and whole-stream loops."""
+    assert derived.stack_layout(ToyModel.forward) == ("layers", "norm")
+    assert derived.stack_layout(_ChunkedModel.forward) == ("layers", "norm")
+    assert derived.stack_layout(_EditedModel.forward) == ("layers", None)
+    assert derived.stack_layout(_RereadModel.forward) == ("layers", None)
+    torch.manual_seed(0)
+    model = _ChunkedModel(ToyDecoderLayer).eval()
+    x = _states()
+    with torch.no_grad():
+        expected = [model(x), model(x, chunk=2)]
+        assert len(patch_model(model).fused_adds) == 4
+        for got, chunk in zip(expected, (0, 2)):
+            torch.testing.assert_close(model(x, chunk=chunk), got, rtol=2e-6, atol=2e-6)
+
+
 def test_a_broadcast_operand_or_a_hooked_norm_runs_the_original_expression():
     """The helpers evaluate the original expression whenever the kernel would not compute it: here a norm with a
     hook (which must see the sum, as in the unpatched model) and a residual that broadcasts."""
@@ -221,7 +283,7 @@ def test_the_derived_forward_keeps_the_decorators_signature_and_source():
 DERIVED_TYPES = {
     "granitemoe": 4, "jamba": 4, "lfm2": 8, "falcon_h1": 4, "nemotron_h": 4, "minimax": 4, "gemma4_text": 6,
     "apertus": 4, "stablelm": 4, "mamba": 2, "bamba": 4, "flex_olmo": 4, "vaultgemma": 4, "jetmoe": 4,
-    "longcat_flash": 8, "glm_moe_dsa": 4,
+    "longcat_flash": 8, "glm_moe_dsa": 4, "xlstm": 4,
 }
 
 

@@ -125,18 +125,41 @@ def stack_layout(forward: object) -> tuple[str, str | None] | None:
         return None
     function = parsed[0]
     self_name = _self_name(function)
-    layouts = []
-    for node in ast.walk(function):
-        for statements in (getattr(node, name, None) for name in ("body", "orelse", "finalbody")):
-            if not isinstance(statements, list):
-                continue
-            for i, statement in enumerate(statements):
-                if isinstance(statement, ast.For) and (layers := _iterated_layers(statement, self_name)):
-                    layouts.append((layers, _loop_final_norm(statement, statements[i + 1:], self_name)))
+    layouts: list[tuple[str, str | bool | None]] = []
+    _layer_loops(function.body, [], self_name, layouts)
     if not layouts or len({layers for layers, _ in layouts}) != 1 or any(final is False for _, final in layouts):
         return None
-    finals = {final for _, final in layouts}
-    return layouts[0][0], finals.pop() if len(finals) == 1 else None
+    # A loop whose output never reaches a norm (True) leaves the choice to the others; one that reaches another
+    # module first (None), or two different norms, rule the final norm out.
+    finals = {final for _, final in layouts if final is not True}
+    final = finals.pop() if len(finals) == 1 else None
+    return layouts[0][0], final if isinstance(final, str) else None
+
+
+def _layer_loops(
+    statements: list[ast.stmt], continuation: list[ast.stmt], self_name: str,
+    layouts: list[tuple[str, str | bool | None]],
+) -> None:
+    """Appends ``(layers, _loop_final_norm)`` for each loop over ``self.<layers>`` in ``statements``, given the
+    statements that run after them (``continuation``): what follows an ``if``, a ``with`` or a ``try``, and, in a
+    loop's body, the rest of the body, the body again (the next iteration) and what follows the loop."""
+    for i, statement in enumerate(statements):
+        after = statements[i + 1:] + continuation
+        if isinstance(statement, ast.For) and (layers := _iterated_layers(statement, self_name)):
+            layouts.append((layers, _loop_final_norm(statement, after, self_name)))
+        if isinstance(statement, (ast.For, ast.AsyncFor, ast.While)):
+            again = ([ast.Expr(statement.test)] if isinstance(statement, ast.While) else []) + statement.body
+            _layer_loops(statement.body, again + after, self_name, layouts)
+            _layer_loops(statement.orelse, after, self_name, layouts)
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        else:
+            for name in ("body", "orelse", "finalbody"):
+                nested = getattr(statement, name, None)
+                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
+                    _layer_loops(nested, after, self_name, layouts)
+            for handler in getattr(statement, "handlers", ()):
+                _layer_loops(handler.body, after, self_name, layouts)
 
 
 def _iterated_layers(loop: ast.For, self_name: str) -> str | None:
@@ -153,8 +176,9 @@ def _iterated_layers(loop: ast.For, self_name: str) -> str | None:
 
 
 def _loop_final_norm(loop: ast.For, rest: list[ast.stmt], self_name: str) -> str | None | bool:
-    """For a loop over the layers: the final norm the statements after it apply to its output, None for none,
-    False when the loop is not of ``stack_layout``'s form."""
+    """For a loop over the layers, followed by the statements ``rest`` (to the end of the forward): the final norm
+    the first statement naming its output applies to it; True when nothing names it again (it is copied out or
+    rebound first); None when something else does; False when the loop is not of ``stack_layout``'s form."""
     target = loop.target
     if isinstance(loop.iter, ast.Call):  # enumerate: (i, layer)
         if not (isinstance(target, ast.Tuple) and len(target.elts) == 2):
@@ -174,6 +198,8 @@ def _loop_final_norm(loop: ast.For, rest: list[ast.stmt], self_name: str) -> str
     if len(_named(loop.body, hidden)) != 2:  # the call's argument and the target it is assigned to
         return False
     final = _first_norm(rest, {hidden}, self_name, None)
+    if final is True:
+        return True
     return final if isinstance(final, str) and "." not in final else None
 
 
@@ -676,7 +702,9 @@ def _first_norm(
     the first statement naming them reads them once, as the argument of ``self.<norm>(x)`` or ``self.<norm>(x.to(...))``
     (any module call when ``norms`` is None), anywhere in that statement: nothing evaluated before it can reach the
     input; or, for an ``if`` that does not read them in its test, when both branches begin so with the same norm.
-    False when something else names them first; True when nothing does."""
+    False when something else names them first; True when nothing does, or a statement rebinds the one name without
+    reading it (its value can no longer reach anything). A statement that only copies them into a slice of another
+    tensor (``out[...] = x``) does not count: it cannot change them."""
     for statement in statements:
         if isinstance(statement, ast.If) and not _loads(statement.test, names):
             branches = {_first_norm(b, set(names), self_name, norms) for b in (statement.body, statement.orelse)}
@@ -684,9 +712,11 @@ def _first_norm(
                 continue
             return branches.pop() if len(branches) == 1 else False
         named = [n for name in names for n in _named([statement], name)]
-        if not named:
+        if not named or _copies_out(statement, names):
             continue
         uses = [n for n in named if isinstance(n.ctx, ast.Load)]
+        if not uses and len(names) == 1:
+            return True
         if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name) and _assigned_name(statement):
             names.add(_assigned_name(statement))
             continue
@@ -696,6 +726,15 @@ def _first_norm(
                  and (norms is None or _module_call(node, self_name) in norms) and _reads_as_is(node.args[0], uses[0])]
         return ".".join(_module_call(calls[0], self_name)) if calls else False
     return True
+
+
+def _copies_out(statement: ast.stmt, names: set[str]) -> bool:
+    """``out[...] = x`` with ``x`` one of ``names`` and ``out`` none of them."""
+    return (
+        isinstance(statement, ast.Assign) and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Subscript) and isinstance(statement.value, ast.Name)
+        and statement.value.id in names and not _loads(statement.targets[0], names)
+    )
 
 
 def _store_ids(statement: ast.stmt) -> set[int]:
