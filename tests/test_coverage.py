@@ -18,10 +18,13 @@ def test_verdicts_of_known_model_types():
     assert fused.fp32_max_err <= coverage.FP32_TOLERANCE and fused.bf16_mean_err_ratio <= coverage.BF16_MEAN_SLACK
     # The census: 2 layers x 2 adds, every one next to a norm and fused in the forward.
     assert fused.adds_next_to_norms == fused.adds_fused_in_forward == 4 and fused.fuses_every_add
-    # Beam adds through a function of its own (a depth-scaled add), next to its norms: nothing to rewrite.
-    norms_only = coverage.check_model_type("beam", types["beam"], 60)
+    # Zamba's mamba layers add the shared transformer's output in a conditional expression, and hand their output
+    # to hybrid wrapper layers: adds next to its norms, none of them in a pattern the derived forwards rewrite.
+    norms_only = coverage.check_model_type("zamba", types["zamba"], 60)
     assert norms_only.verdict == "norms only" and norms_only.norms and not norms_only.fused_adds
-    assert norms_only.adds_fused_in_forward == 0 and not norms_only.fuses_every_add
+    assert norms_only.adds_fused_in_forward == 0 < norms_only.adds_next_to_norms and not norms_only.fuses_every_add
+    sites = norms_only.unfused_add_sites
+    assert sites and all(site.startswith("modeling_zamba.py:") for site in sites)
     skipped = coverage.check_model_type("bert", types["bert"], 60)
     assert skipped.verdict == "skipped" and "no norm hf_rmsnorm can patch" in skipped.reason
     assert skipped.uses_rmsnorm is False
