@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import linecache
 import pickle
 
@@ -264,7 +265,6 @@ def test_the_derived_forward_keeps_the_decorators_signature_and_source():
 
     sites = _sites(GraniteMoeDecoderLayer)
     forward = derived.fused_forward(GraniteMoeDecoderLayer, derived.DerivedLayerKind("x", sites, "input_layernorm"))
-    import inspect
 
     assert inspect.signature(forward) == inspect.signature(GraniteMoeDecoderLayer.forward)
     assert hasattr(GraniteMoeDecoderLayer.forward, "__wrapped__") == hasattr(forward, "__wrapped__")
@@ -431,3 +431,23 @@ def test_torch_compile_fullgraph_of_a_derived_model(model_type):
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         got = compiled(ids, use_cache=False).logits.double()
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def test_a_layer_whose_source_changed_on_disk_keeps_its_adds_with_the_reason(tmp_path, monkeypatch):
+    """The source read must be the code running: a layer whose file no longer holds its code (edited since it was
+    imported) is not derived from, and the report says why."""
+    model = _toy()
+    source = inspect.getsource(ToyDecoderLayer.forward).replace("* scale", "* scale * 2")
+    monkeypatch.setattr(derived.inspect, "getsource", lambda obj: source)
+    derived.layer_code.cache_clear()
+    derived.module_calls.cache_clear()
+    derived.stack_layout.cache_clear()
+    try:
+        report = patch_model(model)
+    finally:
+        derived.layer_code.cache_clear()
+        derived.module_calls.cache_clear()
+        derived.stack_layout.cache_clear()
+    assert report.fused_adds == []
+    assert dict(report.skipped)["layers.0"].endswith(
+        "on disk is not the code running (its file changed since it was imported)")

@@ -41,6 +41,7 @@ import inspect
 import sys
 import textwrap
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -151,7 +152,7 @@ def _layer_loops(
             again = ([ast.Expr(statement.test)] if isinstance(statement, ast.While) else []) + statement.body
             _layer_loops(statement.body, again + after, self_name, layouts)
             _layer_loops(statement.orelse, after, self_name, layouts)
-        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         else:
             for name in ("body", "orelse", "finalbody"):
@@ -214,7 +215,7 @@ def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     picks = [s for s in body if _assigned_name(s) and isinstance(s.value, ast.Subscript)
              and isinstance(s.value.value, ast.Name) and s.value.value.id == target.id
              and isinstance(s.value.slice, ast.Constant) and s.value.slice.value == 0]
-    if picks and len(picks) == 1 and len(_named(body, target.id)) == 2:  # its assignment and the pick
+    if len(picks) == 1 and len(_named(body, target.id)) == 2:  # its assignment and the pick
         return _assigned_name(picks[0])
     return target.id
 
@@ -301,7 +302,7 @@ def layer_code(forward: object, norms: frozenset[tuple[str, ...]]) -> LayerCode 
     return LayerCode(tuple(sites.applied), _input_norm(function, norms))
 
 
-def fused_forward(base: type, kind: DerivedLayerKind):
+def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     """``base.forward`` with ``kind.sites`` rewritten (module docstring), decorated as the original is.
 
     Raises:

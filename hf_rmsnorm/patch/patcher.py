@@ -374,7 +374,9 @@ def _plan_derived_layers(
         layer_norms = frozenset(path for path, module in paths.items() if module in norms)
         if not layer_norms:
             if registered_problem or any(child in norms for child in layer.children()):
-                reason = registered_problem or f"{_class_path(cls)}.forward calls none of its patched norms"
+                unreadable = derived.layer_code(cls.forward, frozenset())  # why its source gave no calls, if it did
+                reason = registered_problem or (unreadable if isinstance(unreadable, str) else
+                                                f"{_class_path(cls)}.forward calls none of its patched norms")
                 plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
         problem = _class_problem(cls) or instance_problem(layer)
