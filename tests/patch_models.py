@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import fused
 
 # The four families of the issue, tested in every dtype.
@@ -49,12 +50,29 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, *, layers: int =
     return model.to(dtype).eval()
 
 
-def assert_bf16_no_less_accurate(patched16: torch.Tensor, eager16: torch.Tensor, truth: torch.Tensor) -> None:
-    """A patched bf16 model's logits no less accurate than the eager bf16 model's against the fp64 ``truth``:
-    within one bf16 ulp of the largest logit at worst, and on average within verify.py's 10%."""
-    scale = truth.abs().max()
-    assert (patched16 - truth).abs().max() <= (eager16 - truth).abs().max() + 2**-8 * scale
-    assert (patched16 - truth).abs().mean() <= 1.10 * (eager16 - truth).abs().mean()
+class Parity:
+    """The eager references of one fp32 model, taken before it is patched: an fp64 copy's logits (the truth), its
+    own fp32 logits, and a bf16 copy with its logits. ``logits(model)`` runs one forward."""
+
+    def __init__(self, model, logits) -> None:
+        self.model, self.logits = model, logits
+        self.truth = logits(copy.deepcopy(model).double())
+        self.eager32 = logits(model)
+        self.bf16 = copy.deepcopy(model).to(torch.bfloat16)
+        self.eager16 = logits(self.bf16)
+
+    def check_patched(self) -> None:
+        """After ``patch_model(self.model)``: its fp32 logits within 1e-5 of the largest logit from eager's; the bf16
+        copy, patched, no less accurate than eager bf16 against the truth (within one bf16 ulp of the largest logit
+        at worst, on average within verify.py's 10%); unpatching gives the eager logits back exactly."""
+        scale = self.truth.abs().max().item()
+        assert (self.logits(self.model) - self.eager32).abs().max().item() <= 1e-5 * scale
+        patch_model(self.bf16)
+        patched16 = self.logits(self.bf16)
+        assert (patched16 - self.truth).abs().max() <= (self.eager16 - self.truth).abs().max() + 2**-8 * scale
+        assert (patched16 - self.truth).abs().mean() <= 1.10 * (self.eager16 - self.truth).abs().mean()
+        unpatch_model(self.model)
+        assert (self.logits(self.model) - self.eager32).abs().max().item() == 0
 
 
 def input_ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:

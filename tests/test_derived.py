@@ -17,7 +17,7 @@ from transformers import CONFIG_MAPPING
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from harness import residual_census
-from patch_models import assert_bf16_no_less_accurate
+from patch_models import Parity
 from hf_rmsnorm import check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import derived
 from hf_rmsnorm.patch.derived import AddSite
@@ -312,26 +312,14 @@ def _logits(model, ids) -> torch.Tensor:
 @pytest.mark.parametrize("model_type", sorted(DERIVED_TYPES))
 def test_derived_model_types_patch_with_parity(model_type):
     model = _build(model_type)
-    ids = _ids(model)
-    truth = _logits(copy.deepcopy(model).double(), ids)
-    eager32 = _logits(model, ids)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    eager16 = _logits(bf16, ids)
-
+    run = functools.partial(_logits, ids=_ids(model))
+    parity = Parity(model, run)
     norms = {m for name, m in model.named_modules() if name in set(check_model(model).norms)}
-    run = functools.partial(_logits, ids=ids)
     next_to_norms = residual_census.adds_next_to_norms(model, run, norms, _width(model))
     report = patch_model(model)
     assert len(report.fused_adds) == DERIVED_TYPES[model_type], str(report)
     assert residual_census.fused_adds(model, run) == len(next_to_norms) == DERIVED_TYPES[model_type]
-    scale = truth.abs().max().item()
-    assert (_logits(model, ids) - eager32).abs().max().item() <= 1e-5 * scale
-
-    patch_model(bf16)
-    assert_bf16_no_less_accurate(_logits(bf16, ids), eager16, truth)
-
-    unpatch_model(model)
-    assert (_logits(model, ids) - eager32).abs().max().item() == 0
+    parity.check_patched()
 
 
 @pytest.mark.parametrize("model_type", ["granitemoe", "nemotron_h", "mamba", "gemma4_text", "falcon_h1"])

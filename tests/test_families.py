@@ -4,12 +4,13 @@ GPT-OSS, Exaone4, DeepSeek-V3, each a tiny random model of transformers' own cla
 its eager self and with an fp64 copy."""
 
 import copy
+import functools
 
 import pytest
 import torch
-from patch_models import assert_bf16_no_less_accurate, input_ids, tiny_model
+from patch_models import Parity, input_ids, tiny_model
 
-from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm import patch_model
 
 # Before transformers 5.24 a hybrid layer renames its cache argument for the linear attention
 # (cache_params=past_key_values), which the registered body would not do: those layers run their derived forward
@@ -63,11 +64,7 @@ def test_recognised_families_patch_with_parity(model_type):
     overrides, n_norms, n_adds = FAMILIES[model_type]
     ids = input_ids()
     model = tiny_model(model_type, **overrides)
-    truth = _logits(copy.deepcopy(model).double(), ids)
-    eager32 = _logits(model, ids)
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    eager16 = _logits(bf16, ids)
-
+    parity = Parity(model, functools.partial(_logits, ids=ids))
     report = patch_model(model)
     assert (len(report.norms), len(report.fused_adds)) == (n_norms, n_adds), str(report)
     if model_type in MODES:
@@ -78,14 +75,7 @@ def test_recognised_families_patch_with_parity(model_type):
     assert all(reason for reason in skipped.values())
     if not report.fused_adds:
         assert any("residual adds not fused" in reason for reason in skipped.values())
-    scale = truth.abs().max().item()
-    assert (_logits(model, ids) - eager32).abs().max().item() <= 1e-5 * scale
-
-    patch_model(bf16)
-    assert_bf16_no_less_accurate(_logits(bf16, ids), eager16, truth)
-
-    unpatch_model(model)
-    assert (_logits(model, ids) - eager32).abs().max().item() == 0
+    parity.check_patched()
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from . import handoff
 from .families import NormKind, StackKind
 
-# The closure name the derived forward calls the helpers below by.
+# The closure name the derived forward calls the helpers below by (this module, passed to it).
 _HELPERS = "_hf_rmsnorm_derived"
 _NORMED = "_hf_rmsnorm_normed_"
 
@@ -319,7 +319,8 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     decorators, function.decorator_list = function.decorator_list, []
     namespace: dict[str, object] = {}
     exec(_factory_code(function, original), original.__globals__, namespace)  # the imports are never run
-    forward = namespace["_hf_rmsnorm_factory"](base, _HelperNamespace)
+    # The helpers are this module's functions: the derived forward reaches them as ``_hf_rmsnorm_derived.<name>``.
+    forward = namespace["_hf_rmsnorm_factory"](base, sys.modules[__name__])
     forward.__qualname__ = original.__qualname__
     for decorator in reversed(decorators):
         expression = ast.fix_missing_locations(ast.Expression(decorator))
@@ -397,14 +398,6 @@ def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
         ):
             return False
     return True
-
-
-class _HelperNamespace:
-    """What the derived forward reaches as ``_hf_rmsnorm_derived``."""
-
-    norm_of_sum = staticmethod(norm_of_sum)
-    norm_then_add = staticmethod(norm_then_add)
-    stream_sum = staticmethod(stream_sum)
 
 
 def _parsed(forward: object) -> tuple[ast.FunctionDef, object] | str:

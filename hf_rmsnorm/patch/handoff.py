@@ -144,11 +144,9 @@ def _foreign_code_between(layer: nn.Module, target: NextNorm) -> bool:
     read-only output recorders, pre-hooks on the next layer, any hook on the next norm, global module hooks,
     and accelerate's hooks (they move and offload weights)."""
     norm = target.norm
-    if norm._forward_pre_hooks or norm._forward_hooks or target.consumer._forward_pre_hooks:
+    if hooked(norm) or target.consumer._forward_pre_hooks:
         return True
     if any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values()):
-        return True
-    if _global_forward_hooks():
         return True
     return any("_hf_hook" in m.__dict__ for m in (layer, target.consumer, norm))
 
