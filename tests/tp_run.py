@@ -146,6 +146,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    # Both ranks tear gloo down together, once the result is written, so that neither's teardown overlaps work
+    # the other still does.
+    dist.barrier()
     dist.destroy_process_group()
 
 
