@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from hf_rmsnorm.patch import UnsupportedModelError, check_model, patch_model
-from hf_rmsnorm.patch.recognition import is_rms_norm_like
+from hf_rmsnorm.patch.classify import Role, norm_role
 
 from . import residual_census
 
@@ -322,7 +322,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         except Exception as exc:  # the config or the model itself: recorded, the sweep goes on
             result.reason = _describe(exc, 160)
             return result
-        result.uses_rmsnorm = any(is_rms_norm_like(m) for m in model.modules())
+        result.uses_rmsnorm = any(norm_role(type(m)) is Role.RMS_NORM_LIKE for m in model.modules())
         result.uses_layernorm = any(_is_layer_norm(m) for m in model.modules())
         result.verdict, stage = "not run", "planning its patch"
         try:  # asked first: whether patch_model takes a model does not depend on its eager forward running here

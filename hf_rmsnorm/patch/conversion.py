@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .classify import Role, norm_role
 from .families import LAYERNORM, LAYERNORM_AS_RMSNORM, NormKind, ResidualStream, StackKind
 from .report import UnconvertibleModelError
 
@@ -127,11 +128,11 @@ def _writer_means(w: Writer) -> tuple[Tensor, Tensor | None]:
     return weight_mean, bias_mean
 
 
-def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module]], stacks: dict[type, tuple[str, StackKind]],
-                    layernorm: str) -> LayerNormPlan:
-    """Finds the stacks of LayerNorm families among ``modules`` (the patcher's walk of the model called
-    ``model_name``: every module with its name) and plans what happens to their LayerNorms (nothing is changed).
-    ``stacks`` is the registry's stack table.
+def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module, Role]],
+                    stacks: dict[type, tuple[str, StackKind]], layernorm: str) -> LayerNormPlan:
+    """Finds the stacks of LayerNorm families among ``modules`` (the patcher's classified walk of the model called
+    ``model_name``: every module with its name and role) and plans what happens to their LayerNorms (nothing is
+    changed). ``stacks`` is the registry's stack table.
 
     Raises:
         ValueError: ``layernorm`` is not one of ``LAYERNORM_CHOICES``.
@@ -141,13 +142,13 @@ def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module]], stack
         raise ValueError(f"layernorm must be one of {', '.join(map(repr, LAYERNORM_CHOICES))}, got {layernorm!r}")
     plan = LayerNormPlan()
     problems = []
-    for name, module in modules:
-        family, kind = stacks.get(type(module), (None, None))
+    for name, module, role in modules:
+        family, kind = stacks[type(module)] if role is Role.REGISTERED_STACK else (None, None)
         if kind is None or kind.stream is None:
             continue
         if layernorm == "skip":
             for m in module.modules():
-                if isinstance(m, nn.LayerNorm):
+                if _is_torch_layer_norm(m):
                     plan.skipped[m] = "LayerNorm left alone on request (layernorm='skip')"
         elif layernorm == "fuse":
             _plan_stream_norms(plan, family, module, kind, LAYERNORM, hidden=None)
@@ -189,8 +190,12 @@ def _plan_stream_norms(plan: LayerNormPlan, family: str, stack: nn.Module, kind:
         else:
             plan.norms[module] = (family, norm_kind)
     for m in stack.modules():
-        if isinstance(m, nn.LayerNorm) and m not in readers:
+        if _is_torch_layer_norm(m) and m not in readers:
             plan.skipped[m] = "LayerNorm inside a sub-layer (it does not read the residual stream); left alone"
+
+
+def _is_torch_layer_norm(module: nn.Module) -> bool:
+    return norm_role(type(module)) is Role.TORCH_LAYER_NORM
 
 
 def _plan_conversion(plan: LayerNormPlan, family: str, name: str, stack: nn.Module, kind: StackKind) -> None:

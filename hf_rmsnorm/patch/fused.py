@@ -68,7 +68,12 @@ def layer_arg_names(cls: type) -> tuple[str, ...]:
 
 def original_class(module: nn.Module) -> type | None:
     """The class a patched module had before patching, or ``None`` if ``module`` is not patched."""
-    return type(module).__dict__.get("_hf_rmsnorm_base")
+    return base_class(type(module))
+
+
+def base_class(cls: type) -> type | None:
+    """The class a fused class was made from, or ``None`` if ``cls`` is no fused class."""
+    return cls.__dict__.get("_hf_rmsnorm_base")
 
 
 class _HiddenHubLayerName:

@@ -17,11 +17,12 @@ from torch import Tensor, nn
 
 from ..ops import backend
 from . import derived, fused
+from .classify import Role, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
 from .handoff import NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
-from .recognition import NormRecogniser, family_of, is_recognisable_norm, recognised_layer_kinds, recognised_stack_kind
+from .recognition import NormRecogniser, family_of, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
@@ -41,8 +42,9 @@ class _PatchState:
 
 @dataclass
 class _Plan:
-    # Every module of the model with its qualified name: the one walk the plan is made from.
-    modules: list[tuple[str, nn.Module]]
+    # Every module of the model with its qualified name and its role (``classify.py``): the one walk, classified
+    # once, that the plan is made from.
+    modules: list[tuple[str, nn.Module, Role]]
     report: PatchReport
     layernorms: LayerNormPlan
     swaps: list[tuple[nn.Module, NormKind | LayerKind | StackKind]] = field(default_factory=list)
@@ -176,8 +178,8 @@ def _restore(state: _PatchState) -> None:
     for module, original in reversed(state.swapped):
         if type(module) is not original:
             _swap_class(module, original)
-    for module, hub_forward in state.hub_forwards:
-        _set_attr(module, "forward", hub_forward)
+    for module, forward in state.hub_forwards:
+        _set_attr(module, "forward", forward)
 
 
 def _unwrap(model: object) -> nn.Module:
@@ -218,10 +220,6 @@ def _backend_of(root: nn.Module) -> str:
     return backend.describe(parameter.device if parameter is not None else "cpu")
 
 
-def _is_norm_like(module: nn.Module) -> bool:
-    return "Norm" in type(module).__name__ or isinstance(module, (nn.LayerNorm, nn.RMSNorm))
-
-
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -235,9 +233,9 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
     model_type = getattr(getattr(root, "config", None), "model_type", None)
     if model_type:
         model_name += f" (model_type {model_type!r})"
-    norms = {name: type(m).__name__ for name, m in plan.modules if _is_norm_like(m)}
+    norms = {name: type(m).__name__ for name, m, role in plan.modules if role.is_norm}
     found = sorted(set(norms.values()))
-    has_layernorm = any(isinstance(m, nn.LayerNorm) for _, m in plan.modules)
+    has_layernorm = any(role is Role.TORCH_LAYER_NORM for _, _, role in plan.modules)
     if layernorm == "rmsnorm" and has_layernorm:
         raise UnconvertibleModelError(
             f"{model_name} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported family (post-LN "
@@ -271,7 +269,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
     MLP residual sum to which norm, and what happens to the LayerNorms."""
     reg = registry()
-    modules = list(root.named_modules())
+    modules = [(name, module, role_of(type(module), reg)) for name, module in root.named_modules()]
     layernorms = plan_layernorms(type(root).__name__, modules, reg.stacks, layernorm)
     report = PatchReport(
         centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()), backend=_backend_of(root)
@@ -287,8 +285,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
 
 
 def _plan_norms(root: nn.Module, reg, plan: _Plan):
-    """Classifies every module of the walk: plans the norm swaps, reports every norm-like module left alone, and
-    returns the patched norms (module -> name), the decoder layers and the layer stacks of known or recognised
+    """Goes through the classified walk: plans the norm swaps, reports every norm left alone, and returns the patched norms (module -> name), the decoder layers and the layer stacks of known or recognised
     classes, and the other decoder layers (``recognition.py`` explains what is recognised)."""
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
@@ -309,14 +306,14 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
         if family not in plan.report.families:
             plan.report.families.append(family)
 
-    for name, module in plan.modules:
+    for name, module, role in plan.modules:
         cls = type(module)
-        if fused.original_class(module) is not None:
+        if role is Role.PATCHED:
             plan.already_patched += 1
             plan.report.skipped.append((name, "already patched by an earlier patch_model call on a submodule"))
         elif module in layernorms.skipped:
             plan.report.skipped.append((name, layernorms.skipped[module]))
-        elif cls in reg.norms or module in layernorms.norms:
+        elif role is Role.REGISTERED_NORM or module in layernorms.norms:
             family, kind = layernorms.norms[module] if module in layernorms.norms else reg.norms[cls]
             problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or instance_problem(module)
             if not problem and module not in layernorms.norms:
@@ -326,7 +323,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
                 plan.report.skipped.append((name, problem))
             else:
                 add_norm(name, module, family, kind)
-        elif is_recognisable_norm(module):
+        elif role.is_recognisable_norm:
             # Probed as its class's forward, so an inherited or replaced forward is judged by what it computes.
             verdict = recogniser.verdict(module, model_dtype)
             problem = verdict.reason if verdict.kind is None else instance_problem(module)
@@ -334,29 +331,23 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
                 plan.report.skipped.append((name, problem))
             else:
                 add_norm(name, module, family_of(cls), verdict.kind)
-        elif _is_norm_like(module):
+        elif role.is_norm:
             plan.report.skipped.append((name, f"{_class_path(cls)} is not a norm of a supported family"))
-        elif cls in reg.layers:
+        elif role is Role.REGISTERED_LAYER:
             layer_candidates.append((name, module, tuple(kind for _, kind in reg.layers[cls])))
-        elif cls in reg.stacks:
+        elif role is Role.REGISTERED_STACK:
             stacks.append((name, module, reg.stacks[cls][1]))
-        elif cls.__name__.endswith(DECODER_LAYER_SUFFIXES):
+        elif role is Role.DECODER_LAYER:
             kinds = recognised_layer_kinds(cls)
             if kinds:
                 layer_candidates.append((name, module, tuple(kind for _, kind in kinds)))
             else:
                 unknown_layers.append((name, module, None))
-        elif cls.__name__.endswith(STACK_SUFFIXES) and (recognised_stack := recognised_stack_kind(cls)):
+        elif role is Role.STACK and (recognised_stack := recognised_stack_kind(cls)):
             stacks.append((name, module, recognised_stack[1]))
-        elif cls.__name__.endswith(STACK_SUFFIXES) and (derived_stack := derived.stack_kind(cls)):
+        elif role is Role.STACK and (derived_stack := derived.stack_kind(cls)):
             stacks.append((name, module, derived_stack))
     return norms, layer_candidates, stacks, unknown_layers
-
-
-# Class-name endings of the decoder layers and stacks looked at for recognition by code (``recognition.py``)
-# and, for layers, reported when their residual adds are not fused.
-DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
-STACK_SUFFIXES = ("Model", "Decoder", "Encoder", "Transformer", "Stack")
 
 
 def _plan_derived_layers(
@@ -526,7 +517,7 @@ def _plan_hub_forwards(plan: _Plan) -> None:
     """Records the hub-kernel forward of each planned module that runs one in place of its class's, for
     ``patch_model`` to set aside, and names its hub layer in the report."""
     planned = {module for module, _ in plan.swaps}
-    for name, module in plan.modules:
+    for name, module, _ in plan.modules:
         forward = hub_forward(module) if module in planned else None
         if forward is not None:
             plan.hub_forwards[module] = forward

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ..ops import reference
 from ..ops.modes import MODES, dtype_of
+from .classify import Role, norm_role
 from .families import FAMILIES, LayerKind, NormKind, StackKind, class_at
 
 # Attribute names an RMSNorm keeps its epsilon under, in the order they are tried.
@@ -57,23 +58,6 @@ PROBE_WEIGHT_STD = 0.5
 # Row width of the probes of a norm without a weight (nothing else tells its width).
 PROBE_WIDTH = 96
 PROBE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def is_rms_norm_like(module: nn.Module) -> bool:
-    """A module that may be an RMSNorm: ``torch.nn.RMSNorm`` or a class with ``RMSNorm`` in its name (gated
-    variants are looked at too, so their report says why they are left alone)."""
-    return isinstance(module, nn.RMSNorm) or "RMSNorm" in type(module).__name__
-
-
-def _is_own_layer_norm(module: nn.Module) -> bool:
-    # nn.LayerNorm itself is left to the LayerNorm families, which know which ones read the residual stream.
-    return type(module).__name__.endswith("LayerNorm") and not isinstance(module, nn.LayerNorm)
-
-
-def is_recognisable_norm(module: nn.Module) -> bool:
-    """A module recognition looks at: an RMSNorm-like one, or a model's own ``*LayerNorm`` class (Cohere's, and
-    T5-style RMSNorms under that name)."""
-    return is_rms_norm_like(module) or _is_own_layer_norm(module)
 
 
 @dataclass(frozen=True)
@@ -151,7 +135,7 @@ def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
 
 def candidate_modes(module: nn.Module) -> tuple[str, ...]:
     """The modes a norm may be in: the RMS modes, and the centred ones too for a model's own LayerNorm class."""
-    return RMS_MODES + (CENTRED_MODES if _is_own_layer_norm(module) else ())
+    return RMS_MODES + (CENTRED_MODES if norm_role(type(module)) is Role.OWN_LAYER_NORM else ())
 
 
 def _is_number(value: object) -> bool:

@@ -1,0 +1,85 @@
+"""What each module of a model is to the patcher, judged by its class: a norm, a decoder layer, a stack of layers,
+a module an earlier ``patch_model`` call patched, or none of these.
+
+The one place the "is this a norm / a layer / a stack" rules live. The patcher (``patcher.py``) classifies every
+module of its one walk of the model, and it and the LayerNorm planning (``conversion.py``) read that
+classification; what they then patch, and why they leave a module alone, is theirs to decide.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from torch import nn
+
+from .families import Registry
+from .fused import base_class
+
+# Class-name endings of the decoder layers and stacks of no registered family: layers are recognised by their code
+# (``recognition.py``) or given a derived forward (``derived.py``), stacks recognised or read from their code.
+DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
+STACK_SUFFIXES = ("Model", "Decoder", "Encoder", "Transformer", "Stack")
+
+
+class Role(Enum):
+    """What a module is to the patcher (the value says how it is told)."""
+
+    PATCHED = "a class made by an earlier patch_model call"
+    REGISTERED_NORM = "a norm class a family of families.py names"
+    TORCH_LAYER_NORM = "torch's nn.LayerNorm: a LayerNorm family's stack says whether it reads the residual stream"
+    RMS_NORM_LIKE = "torch's nn.RMSNorm, or a class named *RMSNorm*: recognised by what it computes"
+    OWN_LAYER_NORM = "a model's own class named *LayerNorm: recognised by what it computes, centred modes included"
+    OTHER_NORM = "any other class named *Norm*: reported, never patched"
+    REGISTERED_LAYER = "a decoder-layer class a family names"
+    DECODER_LAYER = "a class named *DecoderLayer, *Block or *Layer: recognised by its code, or derived"
+    REGISTERED_STACK = "a layer-stack class a family names"
+    STACK = "a class named *Model, *Decoder, *Encoder, *Transformer or *Stack: recognised by its code, or read"
+    OTHER = "anything else"
+
+    @property
+    def is_norm(self) -> bool:
+        """A norm of any kind: these are patched, or reported with the reason they are not."""
+        return self in _NORMS
+
+    @property
+    def is_recognisable_norm(self) -> bool:
+        """A norm class no family names that recognition probes (``recognition.py``)."""
+        return self in (Role.RMS_NORM_LIKE, Role.OWN_LAYER_NORM)
+
+
+_NORMS = frozenset({Role.REGISTERED_NORM, Role.TORCH_LAYER_NORM, Role.RMS_NORM_LIKE, Role.OWN_LAYER_NORM,
+                    Role.OTHER_NORM})
+
+
+def norm_role(cls: type) -> Role | None:
+    """The role of a norm class judged by its type and name alone (no registry), or None for a class that is no
+    norm. Gated and grouped ``*RMSNorm`` variants are RMSNorm-like too, so their report says why they are left
+    alone."""
+    if issubclass(cls, nn.RMSNorm) or "RMSNorm" in cls.__name__:
+        return Role.RMS_NORM_LIKE
+    if issubclass(cls, nn.LayerNorm):
+        return Role.TORCH_LAYER_NORM
+    if cls.__name__.endswith("LayerNorm"):
+        return Role.OWN_LAYER_NORM
+    if "Norm" in cls.__name__:
+        return Role.OTHER_NORM
+    return None
+
+
+def role_of(cls: type, registry: Registry) -> Role:
+    """What a module of class ``cls`` is, the registry's classes first, then by type and name."""
+    if base_class(cls) is not None:
+        return Role.PATCHED
+    if cls in registry.norms:
+        return Role.REGISTERED_NORM
+    if (role := norm_role(cls)) is not None:
+        return role
+    if cls in registry.layers:
+        return Role.REGISTERED_LAYER
+    if cls in registry.stacks:
+        return Role.REGISTERED_STACK
+    if cls.__name__.endswith(DECODER_LAYER_SUFFIXES):
+        return Role.DECODER_LAYER
+    if cls.__name__.endswith(STACK_SUFFIXES):
+        return Role.STACK
+    return Role.OTHER
