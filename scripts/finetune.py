@@ -1,9 +1,7 @@
 """Causal-LM fine-tuning with hf_rmsnorm's patched norms, one process or many through accelerate launch.
 
-usage:
-  accelerate launch [accelerate options] scripts/finetune.py [--model NAME_OR_PATH] [--data PATH] \\
-      --output-dir DIR [--overwrite] [--max-steps N] [--batch-size B] [--seq-len L] [--lr LR] [--seed S] \\
-      [--no-patch | --norm-free] [--lora] [--gradient-checkpointing] [--fsdp] [--metrics-json PATH]
+launch:
+  accelerate launch [accelerate options] scripts/finetune.py --output-dir DIR [options below]
   (plain `python scripts/finetune.py ...` runs one process)
 
 The model (a preset, a save_pretrained directory or a Hub id) is trained on a plain-text file or a directory
@@ -58,61 +56,12 @@ from hf_rmsnorm.tools import cli  # noqa: E402  (imports no torch: --help answer
 
 def parse_args(argv: list[str]):
     """The command line as a ``FinetuneConfig``."""
-    from hf_rmsnorm.tools.finetune_settings import DEFAULTS, FULL_FINETUNE_LR, LORA_LR, FinetuneConfig
-    from hf_rmsnorm.tools.presets import DEFAULT_PRESET
+    from hf_rmsnorm.tools.finetune_settings import FinetuneConfig
 
-    cpu, gpu = DEFAULTS["cpu"], DEFAULTS["cuda"]
     parser = cli.ArgumentParser(
         prog="finetune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--model", default=DEFAULT_PRESET, help=f"preset, save_pretrained dir or Hub id (default {DEFAULT_PRESET})"
-    )
-    parser.add_argument(
-        "--data", type=Path, help="text file or directory of .txt files (default: this project's docs and sources)"
-    )
-    parser.add_argument(
-        "--output-dir", type=Path, required=True,
-        help="where save_pretrained writes the result (required: give each run its own directory)",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true",
-        help="write into a non-empty --output-dir (same-named files are replaced, others kept) and replace "
-        "--metrics-json",
-    )
-    # None: the default of the device the run ends up on, filled in by hf_rmsnorm.tools.finetune.
-    parser.add_argument(
-        "--max-steps", type=cli.at_least(1), default=None,
-        help=f"optimizer steps (default {gpu['max_steps']} on GPU, {cpu['max_steps']} on CPU)",
-    )
-    parser.add_argument(
-        "--batch-size", type=cli.at_least(1), default=None,
-        help=f"sequences per process and step (default {gpu['batch_size']} on GPU, {cpu['batch_size']} on CPU)",
-    )
-    parser.add_argument(
-        "--seq-len", type=cli.at_least(1), default=None,
-        help=f"tokens per sequence (default {gpu['seq_len']} on GPU, {cpu['seq_len']} on CPU)",
-    )
-    parser.add_argument(
-        "--lr", type=cli.positive_float, help=f"AdamW learning rate (default {FULL_FINETUNE_LR}, {LORA_LR} with --lora)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed for preset weights, LoRA init and data order")
-    parser.add_argument("--no-patch", dest="patch", action="store_false", help="train with Hugging Face's own norms")
-    parser.add_argument(
-        "--norm-free", action="store_true",
-        help="timing oracle, one process: every norm returns its input (no norm cost at all; the model trained is "
-        "meaningless); the most any norm kernel could save is the step time against --no-patch",
-    )
-    parser.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter and save only the adapter")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="enable HF gradient checkpointing")
-    parser.add_argument(
-        "--fsdp", action="store_true",
-        help="shard with FSDP2, one unit per decoder layer (by accelerate on GPUs, by torch's fully_shard over "
-        "gloo on CPU, which needs 2+ processes); saved unsharded",
-    )
-    parser.add_argument(
-        "--metrics-json", type=Path, help="write losses, tokens/s, peak GPU memory and patch counts here"
-    )
+    cli.add_options(parser, FinetuneConfig)  # every option is declared once, on its FinetuneConfig field
     # --traceback (added by cli.ArgumentParser) is read by cli.run, not by the fine-tune.
     return FinetuneConfig(**vars(parser.parse_args(argv)))
 

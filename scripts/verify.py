@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 # Lets the script run from a checkout that was not pip-installed.
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Neither imports torch or transformers, so --help and argument errors answer at once.
 from hf_rmsnorm.tools import cli  # noqa: E402
-from hf_rmsnorm.tools.verify_settings import DEFAULTS, VERDICT_RULE, Option, VerifyConfig  # noqa: E402
+from hf_rmsnorm.tools.verify_settings import DEFAULTS, VERDICT_RULE, VerifyConfig  # noqa: E402
 
 EXIT_STATUSES = "Exit status: 0 passed, 1 failed, 2 bad input, 3 internal error."
 
@@ -41,14 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog=f"Verdict: {VERDICT_RULE} {EXIT_STATUSES}",
     )
     parser.add_argument("--device", default="auto", choices=cli.DEVICES, help="auto: cuda if available, else cpu")
-    for setting in fields(VerifyConfig):  # every other option is declared once, on its VerifyConfig field
-        option: Option = setting.metadata["option"]
-        flag = "--" + setting.name.replace("_", "-")
-        if option.store_true:
-            parser.add_argument(flag, action="store_true", help=option.help)
-        else:
-            parser.add_argument(flag, type=option.type, default=option.default, metavar=option.metavar,
-                                help=option.help)
+    cli.add_options(parser, VerifyConfig)  # every other option is declared once, on its VerifyConfig field
     args = parser.parse_args(argv)
     if args.json is not None and not args.json.expanduser().absolute().parent.is_dir():
         raise cli.InputError(f"--json {args.json}: directory {args.json.expanduser().absolute().parent} "

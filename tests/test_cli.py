@@ -3,16 +3,20 @@ one-line errors with their own exit statuses, suggestions for mistyped presets."
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_rmsnorm.tools import cli, workload
+from hf_rmsnorm.tools.finetune_settings import FinetuneConfig
 from hf_rmsnorm.tools.loading import ModelLoadError, load_model
 from hf_rmsnorm.tools.presets import build_preset
+from hf_rmsnorm.tools.verify_settings import VerifyConfig
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -61,6 +65,51 @@ def test_a_refused_number_says_why():
     parser.add_argument("--max-new-tokens", type=cli.at_least(2, "decode is timed after the first token"))
     with pytest.raises(cli.InputError, match=r"at least 2 \(decode is timed after the first token\), got 1"):
         parser.parse_args(["--max-new-tokens", "1"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Settings:
+    rows: int = cli.option("rows per batch", type=cli.at_least(1))  # no default: None until the device is known
+    out: Path = cli.option("where to write", type=Path, required=True)
+    name: str = cli.option("a name", default="a", metavar="NAME")
+    patch: bool = cli.option("leave the model as it is", default=True, flag=True)
+    fast: bool = cli.option("go fast", default=False, flag=True)
+
+
+def test_a_settings_dataclass_declares_its_options():
+    parser = cli.ArgumentParser(prog="x")
+    cli.add_options(parser, _Settings)
+    assert vars(parser.parse_args(["--out", "o"])) == {
+        "rows": None, "out": Path("o"), "name": "a", "patch": True, "fast": False}
+    argv = ["--out", "o", "--rows", "3", "--name", "b", "--no-patch", "--fast"]
+    assert _Settings(**vars(parser.parse_args(argv))) == _Settings(
+        rows=3, out=Path("o"), name="b", patch=False, fast=True)
+    with pytest.raises(cli.InputError, match="required: --out"):
+        parser.parse_args([])
+    with pytest.raises(cli.InputError, match="--rows: must be at least 1, got 0"):
+        parser.parse_args(["--out", "o", "--rows", "0"])
+    assert "--name NAME" in parser.format_help()
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script,settings,other_options", [("verify.py", VerifyConfig, {"--device"}),
+                                                           ("finetune.py", FinetuneConfig, set())])
+def test_help_lists_one_option_per_setting(script, settings, other_options, capsys):
+    with pytest.raises(SystemExit):
+        _load_script(script).parse_args(["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]
+    # An option's own line starts with two spaces; a wrapped help line is indented further.
+    listed = {line.split()[0] for line in options.splitlines() if line.startswith("  --")}
+    # A flag named --no-<name> turns off a setting that defaults to True (--no-patch).
+    expected = {"--" + ("no-" if setting.default is True else "") + setting.name.replace("_", "-")
+                for setting in fields(settings)}
+    assert listed == expected | other_options | {"--traceback"}
 
 
 @pytest.mark.parametrize("typo,preset", [("tiny_llama", "tiny-llama"), ("tiny-lama", "tiny-llama"),

@@ -1,8 +1,10 @@
-"""What the command-line scripts share: the device and kernel set-up, one-line errors and exit statuses.
+"""What the command-line scripts share: options declared on settings, device set-up, one-line errors, exit statuses.
 
-Every script in ``scripts/`` has the same shape: parse the arguments (with ``ArgumentParser``), set up the
-device (``select_device``, before anything defines a kernel), run one function of ``hf_rmsnorm.tools`` and turn
-its result into an exit status. ``run`` turns an ``InputError`` into one line on stderr and ``EXIT_BAD_INPUT``,
+Every script in ``scripts/`` has the same shape: parse the arguments (with ``ArgumentParser``; a script's
+settings are a dataclass whose every field is declared with ``option`` and becomes an option through
+``add_options``, so a setting, its default and its help are written once), set up the device
+(``select_device``, before anything defines a kernel), run one function of ``hf_rmsnorm.tools`` and turn its
+result into an exit status. ``run`` turns an ``InputError`` into one line on stderr and ``EXIT_BAD_INPUT``,
 and any other exception (a bug, or a model the libraries below cannot run) into one line and ``EXIT_INTERNAL``,
 with the traceback behind ``--traceback``.
 
@@ -12,11 +14,12 @@ This module imports torch only to select a device, so ``--help`` answers at once
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +51,42 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise InputError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """How a script reads one field of its settings dataclass (``add_options``): ``--<field name with dashes>``,
+    parsed by ``type``, the field's default when left out (None for a field without one: a per-device setting the
+    script fills in once the device is known, or a ``required`` one). A ``flag`` takes no value and sets the
+    field to the opposite of its default: ``--<name>`` when that is False, ``--no-<name>`` when it is True."""
+
+    help: str
+    type: Callable[[str], object] | None = None
+    metavar: str | None = None
+    required: bool = False
+    flag: bool = False
+
+
+def option(help: str, *, default: object = dataclasses.MISSING, **settings: Any) -> Any:
+    """A settings-dataclass field that is also a command-line option: the one place the option is declared.
+
+    ``default`` is the field's default (left out: the field has none); ``settings`` are ``Option``'s."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **settings)})
+
+
+def add_options(parser: argparse.ArgumentParser, settings: type) -> None:
+    """Adds to ``parser`` one option per field of the dataclass ``settings``, as its ``Option`` says, in field
+    order; the parsed namespace has one attribute per field."""
+    for setting in dataclasses.fields(settings):
+        declared: Option = setting.metadata["option"]
+        name = setting.name.replace("_", "-")
+        default = None if setting.default is dataclasses.MISSING else setting.default
+        if declared.flag:
+            parser.add_argument(f"--no-{name}" if default else f"--{name}", dest=setting.name,
+                                action="store_false" if default else "store_true", help=declared.help)
+        else:
+            parser.add_argument(f"--{name}", type=declared.type, default=default, metavar=declared.metavar,
+                                required=declared.required, help=declared.help)
 
 
 def _one_line(text: str) -> str:

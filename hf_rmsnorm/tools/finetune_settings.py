@@ -1,7 +1,8 @@
-"""What a fine-tuning run is asked to do: its settings and their per-device defaults.
+"""What a fine-tuning run is asked to do: its settings (each one a command-line option of
+``scripts/finetune.py``) and their per-device defaults.
 
 Kept apart from ``finetune.py`` and free of torch, accelerate and transformers, so ``scripts/finetune.py
---help`` (which shows the defaults) starts in a fraction of a second.
+--help`` (which shows all of it) starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import cli
+from .presets import DEFAULT_PRESET
 
 # Learning rates when --lr is not given: common choices for full fine-tuning and for LoRA adapters.
 FULL_FINETUNE_LR = 2e-5
@@ -22,28 +26,52 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "cpu": {"max_steps": 10, "batch_size": 4, "seq_len": 64},
     "cuda": {"max_steps": 100, "batch_size": 4, "seq_len": 512},
 }
+_CPU, _GPU = DEFAULTS["cpu"], DEFAULTS["cuda"]
 
-@dataclass(frozen=True)
+
+# Keyword-only, so a field with a default may come before one without: the fields' order is the options' order
+# in --help.
+@dataclass(frozen=True, kw_only=True)
 class FinetuneConfig:
-    """The command line of ``scripts/finetune.py``; see its ``--help`` for each field."""
+    """What a ``scripts/finetune.py`` run does: one field per command-line option (``cli.option``)."""
 
-    model: str
-    output_dir: Path
-    data: Path | None = None
+    model: str = cli.option(f"preset, save_pretrained dir or Hub id (default {DEFAULT_PRESET})",
+                            default=DEFAULT_PRESET)
+    data: Path | None = cli.option(
+        "text file or directory of .txt files (default: this project's docs and sources)", default=None, type=Path)
+    output_dir: Path = cli.option(
+        "where save_pretrained writes the result (required: give each run its own directory)", type=Path,
+        required=True)
+    overwrite: bool = cli.option(
+        "write into a non-empty --output-dir (same-named files are replaced, others kept) and replace "
+        "--metrics-json", default=False, flag=True)
     # None: the device's default from DEFAULTS, filled in by with_device_defaults once the device is known.
-    max_steps: int | None = None
-    batch_size: int | None = None
-    seq_len: int | None = None
-    lr: float | None = None
-    seed: int = 0
-    patch: bool = True
+    max_steps: int | None = cli.option(
+        f"optimizer steps (default {_GPU['max_steps']} on GPU, {_CPU['max_steps']} on CPU)", default=None,
+        type=cli.at_least(1))
+    batch_size: int | None = cli.option(
+        f"sequences per process and step (default {_GPU['batch_size']} on GPU, {_CPU['batch_size']} on CPU)",
+        default=None, type=cli.at_least(1))
+    seq_len: int | None = cli.option(
+        f"tokens per sequence (default {_GPU['seq_len']} on GPU, {_CPU['seq_len']} on CPU)", default=None,
+        type=cli.at_least(1))
+    lr: float | None = cli.option(
+        f"AdamW learning rate (default {FULL_FINETUNE_LR}, {LORA_LR} with --lora)", default=None,
+        type=cli.positive_float)
+    seed: int = cli.option("seed for preset weights, LoRA init and data order", default=0, type=int)
+    patch: bool = cli.option("train with Hugging Face's own norms", default=True, flag=True)  # --no-patch
     # Timing only: every norm returns its input (norm_free.py); implies no patch.
-    norm_free: bool = False
-    lora: bool = False
-    gradient_checkpointing: bool = False
-    fsdp: bool = False
-    metrics_json: Path | None = None
-    overwrite: bool = False
+    norm_free: bool = cli.option(
+        "timing oracle, one process: every norm returns its input (no norm cost at all; the model trained is "
+        "meaningless); the most any norm kernel could save is the step time against --no-patch",
+        default=False, flag=True)
+    lora: bool = cli.option("train a PEFT LoRA adapter and save only the adapter", default=False, flag=True)
+    gradient_checkpointing: bool = cli.option("enable HF gradient checkpointing", default=False, flag=True)
+    fsdp: bool = cli.option(
+        "shard with FSDP2, one unit per decoder layer (by accelerate on GPUs, by torch's fully_shard over gloo on "
+        "CPU, which needs 2+ processes); saved unsharded", default=False, flag=True)
+    metrics_json: Path | None = cli.option(
+        "write losses, tokens/s, peak GPU memory and patch counts here", default=None, type=Path)
 
     @property
     def learning_rate(self) -> float:

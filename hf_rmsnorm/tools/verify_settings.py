@@ -6,8 +6,7 @@ Kept apart from the modules that do the work, and free of torch and transformers
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import cli
@@ -24,53 +23,36 @@ DEFAULTS = {
 _CPU, _GPU = DEFAULTS["cpu"], DEFAULTS["cuda"]
 
 
-@dataclass(frozen=True)
-class Option:
-    """How ``scripts/verify.py`` reads one ``VerifyConfig`` field: ``--<field name with dashes>``, parsed by
-    ``type`` (a flag when ``store_true``), ``default`` when left out (None for a per-device setting of
-    ``DEFAULTS``: ``scripts/verify.py`` fills it in once the device is known)."""
-
-    help: str
-    default: object = None
-    type: Callable[[str], object] | None = None
-    metavar: str | None = None
-    store_true: bool = False
-
-
-def _option(help: str, **settings) -> dict:
-    # A dataclass field's metadata: the one place an option of verify.py is declared.
-    return {"option": Option(help, **settings)}
-
-
-@dataclass(frozen=True)
+# Keyword-only, so a field with a default may come before one without: the fields' order is the options' order
+# in --help.
+@dataclass(frozen=True, kw_only=True)
 class VerifyConfig:
-    """What a ``scripts/verify.py`` run does: one field per command-line option (``Option``)."""
+    """What a ``scripts/verify.py`` run does: one field per command-line option (``cli.option``); a field
+    without a default is a per-device setting of ``DEFAULTS``."""
 
-    model: str = field(metadata=_option(
+    model: str = cli.option(
         f"a real-weights preset ({', '.join(REAL_PRESETS)}; default {DEFAULT_MODEL}: from the Hub, else offline "
         f"from its pip package), a random-weight preset ({', '.join(PRESETS)}), a directory written by "
-        "save_pretrained, or a Hub id", default=DEFAULT_MODEL, metavar="NAME_OR_PATH"))
-    dtype: str = field(metadata=_option("model dtype (default bf16)", default="bf16", metavar="{bf16,fp16,fp32}"))
-    batch_size: int = field(metadata=_option(
+        "save_pretrained, or a Hub id", default=DEFAULT_MODEL, metavar="NAME_OR_PATH")
+    dtype: str = cli.option("model dtype (default bf16)", default="bf16", metavar="{bf16,fp16,fp32}")
+    batch_size: int = cli.option(
         f"rows per batch (default {_GPU['batch_size']} on GPU, {_CPU['batch_size']} on CPU); the speed run uses "
-        "unpadded rows, the parity batch at least 2 left-padded rows", type=cli.at_least(1)))
-    prompt_len: int = field(metadata=_option(
+        "unpadded rows, the parity batch at least 2 left-padded rows", type=cli.at_least(1))
+    prompt_len: int = cli.option(
         "prompt tokens per row of the speed run, and of the parity run for models without a tokenizer (default "
-        f"{_GPU['prompt_len']} on GPU, {_CPU['prompt_len']} on CPU)", type=cli.at_least(2)))
-    max_new_tokens: int = field(metadata=_option(
+        f"{_GPU['prompt_len']} on GPU, {_CPU['prompt_len']} on CPU)", type=cli.at_least(2))
+    max_new_tokens: int = cli.option(
         f"greedy tokens generated per row (default {_GPU['max_new_tokens']} on GPU, {_CPU['max_new_tokens']} on "
         "CPU; parity rows stop early at end-of-sequence)",
-        type=cli.at_least(2, "decode is timed over the tokens after the first, so it needs two")))
-    repeats: int = field(metadata=_option(
-        f"timed runs per speed figure, median reported (default {_GPU['repeats']}; GPU only)", type=cli.at_least(1)))
-    json: Path | None = field(default=None, metadata=_option(
-        "also write the report as JSON", type=Path, metavar="PATH"))
-    seed: int = field(default=0, metadata=_option("seed of a preset's random weights (default 0)", default=0,
-                                                  type=int))
-    compile: bool = field(default=False, metadata=_option(
+        type=cli.at_least(2, "decode is timed over the tokens after the first, so it needs two"))
+    repeats: int = cli.option(
+        f"timed runs per speed figure, median reported (default {_GPU['repeats']}; GPU only)", type=cli.at_least(1))
+    json: Path | None = cli.option("also write the report as JSON", default=None, type=Path, metavar="PATH")
+    seed: int = cli.option("seed of a preset's random weights (default 0)", default=0, type=int)
+    compile: bool = cli.option(
         "generate with transformers' compiled generation, unpatched and patched alike: a static cache and "
         "torch.compile of each decoding step (CUDA graphs, mode reduce-overhead, on a GPU; inductor's default "
-        "mode on CPU, slow to compile); the logits parity stays eager", default=False, store_true=True))
+        "mode on CPU, slow to compile); the logits parity stays eager", default=False, flag=True)
 
 
 # The verdict's thresholds (why these values: ``parity.py``).
