@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, gain_share
+from hf_rmsnorm.tools.verify_report import VerifyReport
 
 @dataclass
 class Outcome:
@@ -80,36 +81,33 @@ def kernel_lines(name: str, bench: dict) -> list[str]:
     return lines
 
 
-def generate_lines(name: str, report: dict) -> list[str]:
+def _share(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+def generate_lines(name: str, report: VerifyReport) -> list[str]:
     """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
-    speed = report.get("speed")
-    env = report["environment"]
-    settings = report["settings"]
-    lines = [f"### {name}: {report['model']} ({report['parameters'] / 1e9:.2f}B parameters, {report['dtype']}, "
-             f"batch {settings['batch_size']}, prompt {settings['prompt_len']}, {settings['max_new_tokens']} new "
-             f"tokens, median of {settings['repeats']}; {env['device_name']})", "",
-             f"Parity: {'PASS' if report['passed'] else 'FAIL'}; {report['patch']['norms']} norms, "
-             f"{report['patch']['fused_adds']} fused adds.", ""]
+    speed, settings = report.speed, report.settings
+    lines = [f"### {name}: {report.model} ({report.parameters / 1e9:.2f}B parameters, {report.dtype}, "
+             f"batch {settings.batch_size}, prompt {settings.prompt_len}, {settings.max_new_tokens} new "
+             f"tokens, median of {settings.repeats}; {report.environment.device_name})", "",
+             f"Parity: {'PASS' if report.passed else 'FAIL'}; {report.patch.norms} norms, "
+             f"{report.patch.fused_adds} fused adds.", ""]
     if not speed:
         return lines + ["No speed figures (no GPU).", ""]
-    free = speed.get("norm_free")  # reports before the oracle have none
-    rows = []
-    for what, key, phase in (("prefill tokens/s", "prefill_tokens_per_s", "prefill"),
-                             ("decode tokens/s", "decode_tokens_per_s", "decode")):
-        row = (what, f"{speed['unpatched'][key]:.1f}", f"{speed['patched'][key]:.1f}",
-               f"{speed[f'{phase}_speedup']:.3f}x")
-        if free:
-            share = speed[f"{phase}_gain_share"]
-            row += (f"{free[key]:.1f}", f"{speed['norm_free_speedups'][f'{phase}_speedup']:.3f}x",
-                    "n/a" if share is None else f"{100 * share:.0f}%")
-        rows.append(row)
-    memory = ("peak memory GiB beyond weights", f"{speed['unpatched']['peak_memory_bytes'] / 2**30:.2f}",
-              f"{speed['patched']['peak_memory_bytes'] / 2**30:.2f}", "")
-    rows.append(memory + ((f"{free['peak_memory_bytes'] / 2**30:.2f}", "", "") if free else ()))
-    header = ("", "unpatched", "patched", "speedup")
-    if free:
-        header += ("norm-free", "norm-free speedup", "share of the norm-free gain")
-        lines = lines[:-1] + [f"States timed interleaved; {speed['norm_free_note']}.", ""]
+    unpatched, patched, free, oracle = speed.unpatched, speed.patched, speed.norm_free, speed.norm_free_speedups
+    rows = [
+        ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.1f}", f"{patched.prefill_tokens_per_s:.1f}",
+         f"{speed.prefill_speedup:.3f}x", f"{free.prefill_tokens_per_s:.1f}", f"{oracle.prefill_speedup:.3f}x",
+         _share(speed.prefill_gain_share)),
+        ("decode tokens/s", f"{unpatched.decode_tokens_per_s:.1f}", f"{patched.decode_tokens_per_s:.1f}",
+         f"{speed.decode_speedup:.3f}x", f"{free.decode_tokens_per_s:.1f}", f"{oracle.decode_speedup:.3f}x",
+         _share(speed.decode_gain_share)),
+        ("peak memory GiB beyond weights", f"{unpatched.peak_memory_bytes / 2**30:.2f}",
+         f"{patched.peak_memory_bytes / 2**30:.2f}", "", f"{free.peak_memory_bytes / 2**30:.2f}", "", ""),
+    ]
+    header = ("", "unpatched", "patched", "speedup", "norm-free", "norm-free speedup", "share of the norm-free gain")
+    lines = lines[:-1] + [f"States timed interleaved; {speed.norm_free_note}.", ""]
     return lines + _table(header, rows)
 
 
@@ -161,7 +159,7 @@ def summary(outcomes: list[Outcome], toy: bool) -> str:
             if launch:
                 lines += ["Host and GPU time per decode-sized call:", "", "```", *launch, "```", ""]
         if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
-            lines += generate_lines(name, report)
+            lines += generate_lines(name, VerifyReport.from_dict(report))
     for pair in TRAIN_PAIRS:
         patched, unpatched, free = f"{pair}-patched", f"{pair}-unpatched", f"{pair}-norm-free"
         lines += train_lines(pair, data.get(patched, {}).get(patched), data.get(unpatched, {}).get(unpatched),

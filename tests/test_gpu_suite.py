@@ -4,12 +4,15 @@ sections' own scripts wrote."""
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from verify_samples import sample_report, speed_report
 
 from harness import gpu_suite
 from harness.gpu_suite_report import Outcome, summary
+from hf_rmsnorm.tools.verify_report import SpeedFigures
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.py"
 
@@ -49,21 +52,14 @@ def _bench(impl_seconds: dict[str, float]) -> dict:
 
 
 def test_summary_reports_the_scripts_figures():
-    generate = {
-        "passed": True, "model": "llama-3.2-1b-shape", "parameters": 1.24e9, "dtype": "bf16",
-        "settings": {"batch_size": 1, "prompt_len": 128, "max_new_tokens": 256, "repeats": 5},
-        "environment": {"device_name": "GPU X"}, "patch": {"norms": 33, "fused_adds": 32},
-        "speed": {"unpatched": {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 80.0,
-                                "peak_memory_bytes": 2**30},
-                  "patched": {"prefill_tokens_per_s": 1100.0, "decode_tokens_per_s": 100.0,
-                              "peak_memory_bytes": 2**30},
-                  "norm_free": {"prefill_tokens_per_s": 1250.0, "decode_tokens_per_s": 120.0,
-                                "peak_memory_bytes": 2**30},
-                  "prefill_speedup": 1.1, "decode_speedup": 1.25,
-                  "norm_free_speedups": {"prefill_speedup": 1.25, "decode_speedup": 1.5},
-                  "prefill_gain_share": (1 / 1000 - 1 / 1100) / (1 / 1000 - 1 / 1250),
-                  "decode_gain_share": (1 / 80 - 1 / 100) / (1 / 80 - 1 / 120), "norm_free_note": "norm-free: x"},
-    }
+    generate = sample_report(
+        model="llama-3.2-1b-shape", parameters=1_240_000_000,
+        settings=replace(sample_report().settings, batch_size=1, prompt_len=128, max_new_tokens=256, repeats=5),
+        environment=replace(sample_report().environment, device_name="GPU X"),
+        patch=replace(sample_report().patch, norms=33, fused_adds=32),
+        speed=speed_report(SpeedFigures(1000.0, 80.0, 2**30), SpeedFigures(1100.0, 100.0, 2**30),
+                           SpeedFigures(1250.0, 120.0, 2**30)),
+    ).to_dict()
     metrics = {"model": "m", "batch_size": 1, "seq_len": 2048, "mixed_precision": "bf16", "max_steps": 3,
                "losses": [3.0, 2.0, 1.0], "tokens_per_s": 1000.0, "peak_memory_bytes": 2**31}
     outcomes = [
@@ -95,3 +91,4 @@ def test_summary_reports_the_scripts_figures():
     assert "### train-1b: m, 1 x 2048 tokens, bf16 mixed precision, 3 steps" in text
     assert "Patched step speedup: 1.200x" in text
     assert "| prefill-1b | timed out after 80 s |" in text
+

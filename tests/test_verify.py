@@ -11,16 +11,19 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from verify_samples import sample_report
 
 from hf_rmsnorm import check_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools import parity, workload
 from hf_rmsnorm.tools.loading import ModelLoadError, looks_like_path, parse_dtype
 from hf_rmsnorm.tools.presets import DEFAULT_PRESET, PRESETS, build_preset
+from hf_rmsnorm.tools.verify_report import GeneratedText
 
 # In-process runs of verify.py must ask for the device this test process set the kernels up for (conftest.py).
 IN_PROCESS_DEVICE = "cpu" if kernels_interpreted() else "cuda"
@@ -97,12 +100,12 @@ def test_compiled_generation_compares_compiled_unpatched_with_compiled_patched(m
     config = VerifyConfig(model="tiny-llama", dtype="bf16", batch_size=2, prompt_len=12,
                           max_new_tokens=new_tokens, repeats=1, compile=True)
     report = verify.run(config, torch.device(IN_PROCESS_DEVICE))
-    assert report["passed"] and report["settings"]["compile"] == "default"
-    assert report["parity"]["greedy_match"] == 1.0
+    assert report.passed and report.settings.compile == "default"
+    assert report.parity.greedy_match == 1.0
     eager_launches, patched_launches = per_generation
     assert eager_launches == 0
     # Each compiled decoding step runs one kernel per norm (no cross-layer handoff under torch.compile).
-    assert patched_launches >= (new_tokens - 1) * report["patch"]["norms"]
+    assert patched_launches >= (new_tokens - 1) * report.patch.norms
     assert "greedy generation (compiled)" in verify.render(report)
 
 
@@ -374,26 +377,16 @@ def test_speed_figures_and_report(monkeypatch):
     assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
     assert figures.peak_memory_bytes == 100  # beyond what was allocated before the runs
     speed = _speed_report({name: figures for name in ("unpatched", "patched", "norm_free")})
-    assert speed["decode_speedup"] == 1.0 and speed["decode_gain_share"] is None  # no gain to share
+    assert speed.decode_speedup == 1.0 and speed.decode_gain_share is None  # no gain to share
 
     reference = _logits()
     eager, patched = _diverging_generations(unpatched_gap=0.05)
-    parity_figures = _compare(reference.clone(), reference.clone(), reference, generation=eager,
-                              patched_generation=patched).to_dict()
-    report = {
-        "passed": True, "failure": None, "model": "m", "model_class": "C", "parameters": 10**6, "dtype": "bf16",
-        "weights": "random weights (seed 0)",
-        "settings": {"batch_size": 1, "parity_batch_size": 2, "parity_prompts": "chat", "parity_prompt_len": 9,
-                     "prompt_len": 8, "max_new_tokens": 3, "repeats": 2},
-        "environment": {"hf_rmsnorm": "0", "torch": "0", "transformers": "0", "triton": "0", "python": "3",
-                        "device_name": "GPU", "triton_interpreter": False},
-        "patch": {"norms": 5, "fused_adds": 4, "skipped": 1, "skipped_modules": [["lm_head", "not a norm"]]},
-        "parity": parity_figures,
-        "norm_outputs": {"norm_calls": 5, "elements": 2_000_000, "differing": 3, "max_ulp": 1},
-        "generations": [{"prompt": "Q0?", "unpatched": "A0", "patched": "A0"},
-                        {"prompt": "Q1?", "unpatched": "A1", "patched": "B1"}],
-        "speed": speed,
-    }
+    report = sample_report(
+        parity=_compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched),
+        generations=[GeneratedText(prompt="Q0?", unpatched="A0", patched="A0"),
+                     GeneratedText(prompt="Q1?", unpatched="A1", patched="B1")],
+        speed=speed,
+    )
     text = render(report)
     assert "decode tokens/s" in text and "1.000x" in text and "skipped lm_head: not a norm" in text
     assert "norm-free: every norm returns its input" in text and "n/a" in text
@@ -402,6 +395,27 @@ def test_speed_figures_and_report(monkeypatch):
     assert "row 1 first differs at token 2: unpatched gap 0.05" in text and "a near-tie" in text
     assert "[1] Q1?" in text and "patched:   'B1'" in text and "patched:   (identical)" in text
     assert "first differ in 1 rows, all at near-ties (ok)" in text
+
+
+def test_the_report_reads_back_from_its_json_document():
+    """``VerifyReport.to_dict`` is the ``--json`` document and ``from_dict`` reads it back whole: every record,
+    the skipped modules' pairs, and the derived verdicts (written for readers, recomputed on reading)."""
+    from hf_rmsnorm.tools.verify_report import VerifyReport
+
+    reference = _logits()
+    eager, patched = _diverging_generations(unpatched_gap=0.05)
+    report = sample_report(
+        settings=replace(sample_report().settings, compile="reduce-overhead"),
+        parity=_compare(reference.clone(), reference.clone(), reference, generation=eager, patched_generation=patched),
+        generations=[GeneratedText(prompt="Q0?", unpatched="A0", patched="B0")],
+    )
+    document = json.loads(json.dumps(report.to_dict()))
+    assert VerifyReport.from_dict(document) == report
+    assert document["parity"]["divergences"][0]["near_tie"] is True and document["parity"]["passed"] is True
+    assert document["patch"]["skipped_modules"] == [["lm_head", "not a norm"]]
+    # 100 / 80 tokens/s patched, 120 / 80 norm-free.
+    assert document["speed"]["decode_speedup"] == 1.25 == report.speed.decode_speedup
+    assert document["speed"]["norm_free_speedups"]["decode_speedup"] == 1.5
 
 
 def test_norm_free_oracle_times_a_model_without_norms_and_restores_it():

@@ -11,11 +11,12 @@ dtype.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
 from torch import Tensor, nn
+
+from .verify_report import NormOutputAgreement
 
 # Integer views of the same width, used to count representable values between two floats.
 _BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
@@ -39,20 +40,6 @@ def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
         return torch.where(bits < 0, -magnitude, magnitude)
 
     return (ordered(a) - ordered(b)).abs()
-
-
-@dataclass
-class NormOutputAgreement:
-    """Patched norms against the unpatched ones, on the same recorded inputs."""
-
-    norm_calls: int
-    elements: int
-    differing: int
-    max_ulp: int
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of the figures."""
-        return asdict(self)
 
 
 @contextlib.contextmanager

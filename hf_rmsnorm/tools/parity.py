@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
 from itertools import chain
 from typing import Iterator
 
@@ -47,6 +46,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from .verify_report import Divergence, ParityReport
 from .verify_settings import ACCURACY_SLACK, NOISE_EPS_FACTOR
 from .workload import Generation
 
@@ -74,73 +74,6 @@ def upcast(model: PreTrainedModel, dtype: torch.dtype) -> Iterator[PreTrainedMod
     finally:
         for tensor, original in originals:
             tensor.data = tensor.data.to(original)
-
-
-@dataclass
-class Divergence:
-    """Where one row's greedy tokens first differ, and how close the choice was (rule 3)."""
-
-    row: int
-    step: int
-    unpatched_token: int
-    patched_token: int
-    # Each model's logit for its own token minus its logit for the other model's token.
-    unpatched_gap: float
-    patched_gap: float
-    noise: float
-
-    @property
-    def near_tie(self) -> bool:
-        """Whether the eager model itself barely preferred its token: a legitimate flip."""
-        return self.unpatched_gap <= self.noise
-
-
-@dataclass
-class ParityReport:
-    """Parity figures of a patched model against the eager model and the reference (see module docstring)."""
-
-    dtype: str
-    reference_dtype: str
-    positions: int
-    # Patched against eager.
-    max_abs_diff: float
-    mean_abs_diff: float
-    top1_agreement: float
-    kl_mean: float
-    kl_max: float
-    # Both against the reference.
-    unpatched_max_err: float
-    unpatched_mean_err: float
-    patched_max_err: float
-    patched_mean_err: float
-    # Rule 2: positions where the reference is decisive, and top-1 misses there.
-    decisive_positions: int
-    unpatched_top1_misses: int
-    patched_top1_misses: int
-    # Fraction of logits bitwise equal, patched against eager.
-    logits_equal_fraction: float
-    # Greedy generation, patched against eager (rule 3).
-    new_tokens: int
-    greedy_match: bool
-    greedy_first_divergence: int | None
-    divergences: list[Divergence]
-    # Verdict.
-    accuracy_ok: bool
-    top1_ok: bool
-    greedy_ok: bool
-
-    @property
-    def passed(self) -> bool:
-        """The verdict: all three rules hold."""
-        return self.accuracy_ok and self.top1_ok and self.greedy_ok
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of every figure plus ``passed``."""
-        return {
-            **asdict(self),
-            "divergences": [{**asdict(d), "near_tie": d.near_tie} for d in self.divergences],
-            "passed": self.passed,
-        }
 
 
 def noise(dtype: torch.dtype, reference: Tensor, eager: Tensor) -> Tensor:

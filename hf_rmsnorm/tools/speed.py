@@ -21,34 +21,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
+from .verify_report import SpeedFigures, Speedups
 from .workload import Prompts, generation_config
 
 
-@dataclass
-class SpeedFigures:
-    """Throughput of one model on one workload."""
-
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    peak_memory_bytes: int
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict of the figures."""
-        return asdict(self)
-
-
-def speedups(unpatched: SpeedFigures, patched: SpeedFigures) -> dict[str, float]:
+def speedups(unpatched: SpeedFigures, patched: SpeedFigures) -> Speedups:
     """Patched over unpatched throughput (above 1 means the patch is faster)."""
-    return {
-        "prefill_speedup": patched.prefill_tokens_per_s / unpatched.prefill_tokens_per_s,
-        "decode_speedup": patched.decode_tokens_per_s / unpatched.decode_tokens_per_s,
-    }
+    return Speedups(
+        prefill_speedup=patched.prefill_tokens_per_s / unpatched.prefill_tokens_per_s,
+        decode_speedup=patched.decode_tokens_per_s / unpatched.decode_tokens_per_s,
+    )
 
 
 @dataclass(frozen=True)

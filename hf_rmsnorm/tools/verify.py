@@ -3,8 +3,8 @@ fast, on a GPU.
 
 The model is refused at once if the patcher cannot patch it. Then the unpatched model runs (recording every
 norm's input and output), then the same weights upcast in place (the reference), then the patched model: no
-second copy of the model is ever held. ``run`` returns the report as a JSON-ready dict and ``render`` prints
-it; the verdict rule is ``verify_settings.VERDICT_RULE``.
+second copy of the model is ever held. ``run`` returns the report (a ``verify_report.VerifyReport``, whose
+``to_dict`` is the JSON document) and ``render`` prints it; the verdict rule is ``verify_settings.VERDICT_RULE``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,15 @@ from .loading import DTYPES, load_model, parse_dtype, weights_source
 from .norm_free import ORACLE_NOTE, gain_share, norm_free
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import ModelState, SpeedFigures, measure_states, speedups
+from .verify_report import (
+    Environment,
+    GeneratedText,
+    ParityReport,
+    PatchSummary,
+    SpeedReport,
+    VerifyReport,
+    WorkloadSettings,
+)
 from .verify_settings import VERDICT_RULE, VerifyConfig
 
 @contextlib.contextmanager
@@ -66,9 +75,9 @@ def _count_plain(n: int) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else str(n)
 
 
-def _greedy_summary(par: dict) -> str:
-    rows = len(par["divergences"])
-    if par["greedy_match"]:
+def _greedy_summary(par: ParityReport) -> str:
+    rows = len(par.divergences)
+    if par.greedy_match:
         return "identical"
     return f"differs in {rows} rows" if rows else "differs in length"
 
@@ -77,112 +86,110 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def _compiled(settings: dict) -> str:
-    mode = settings.get("compile")
+def _compiled(settings: WorkloadSettings) -> str:
+    mode = settings.compile
     return f" compiled (static cache, torch.compile mode {mode})" if mode else ""
 
 
-def render(report: dict) -> str:
+def _share(share: float | None) -> str:
+    return "n/a" if share is None else f"{100 * share:.0f}%"
+
+
+def render(report: VerifyReport) -> str:
     """The human-readable report printed on stdout."""
-    env, patch, par, speed, settings = (report[k] for k in ("environment", "patch", "parity", "speed", "settings"))
+    env, patch, par, speed, settings = report.environment, report.patch, report.parity, report.speed, report.settings
     lines = [
-        f"hf_rmsnorm {env['hf_rmsnorm']} verify: {report['model']} ({report['model_class']}, "
-        f"{_count(report['parameters'])} parameters), {report['dtype']} on {env['device_name']}",
-        f"weights: {report['weights']}",
-        f"torch {env['torch']}, transformers {env['transformers']}, triton {env['triton']}, "
-        f"Python {env['python']}",
+        f"hf_rmsnorm {env.hf_rmsnorm} verify: {report.model} ({report.model_class}, "
+        f"{_count(report.parameters)} parameters), {report.dtype} on {env.device_name}",
+        f"weights: {report.weights}",
+        f"torch {env.torch}, transformers {env.transformers}, triton {env.triton}, Python {env.python}",
     ]
-    if env["triton_interpreter"]:
+    if env.triton_interpreter:
         lines.append(
             "Kernels ran in Triton's CPU interpreter (TRITON_INTERPRET=1): a correctness check, not a speed one."
         )
-    families = f" ({', '.join(patch['families'])})" if patch.get("families") else ""
-    lines += ["", f"Patch: {patch['norms']} norms replaced{families}, {patch['fused_adds']} residual adds fused, "
-              f"{patch['skipped']} skipped"]
-    lines += [f"  skipped {name}: {reason}" for name, reason in patch["skipped_modules"]]
+    families = f" ({', '.join(patch.families)})" if patch.families else ""
+    lines += ["", f"Patch: {patch.norms} norms replaced{families}, {patch.fused_adds} residual adds fused, "
+              f"{patch.skipped} skipped"]
+    lines += [f"  skipped {name}: {reason}" for name, reason in patch.skipped_modules]
 
-    positions = par["positions"]
+    positions = par.positions
     prompts = (
-        f"{settings['parity_batch_size']} chat prompts" if settings.get("parity_prompts") == "chat"
-        else f"{settings['parity_batch_size']} passage rows"
+        f"{settings.parity_batch_size} chat prompts" if settings.parity_prompts == "chat"
+        else f"{settings.parity_batch_size} passage rows"
     )
-    norms = report["norm_outputs"]
+    norms = report.norm_outputs
     lines += [
         "",
-        f"Parity: {prompts} left-padded to {settings['parity_prompt_len']} tokens ({positions} real positions); "
-        f"reference = unpatched model in {par['reference_dtype']}",
+        f"Parity: {prompts} left-padded to {settings.parity_prompt_len} tokens ({positions} real positions); "
+        f"reference = unpatched model in {par.reference_dtype}",
         _table([
             ("", "unpatched", "patched"),
-            ("max |logit error| vs reference", _g(par["unpatched_max_err"]), _g(par["patched_max_err"])),
-            ("mean |logit error| vs reference", _g(par["unpatched_mean_err"]), _g(par["patched_mean_err"])),
-            (f"top-1 misses at {par['decisive_positions']} decisive positions",
-             str(par["unpatched_top1_misses"]), str(par["patched_top1_misses"])),
+            ("max |logit error| vs reference", _g(par.unpatched_max_err), _g(par.patched_max_err)),
+            ("mean |logit error| vs reference", _g(par.unpatched_mean_err), _g(par.patched_mean_err)),
+            (f"top-1 misses at {par.decisive_positions} decisive positions",
+             str(par.unpatched_top1_misses), str(par.patched_top1_misses)),
         ]),
         "Patched vs unpatched",
         _table([
-            ("norm outputs, same inputs", f"{norms['differing']} of {_count_plain(norms['elements'])} elements "
-             f"differ ({norms['norm_calls']} norm calls), by at most {norms['max_ulp']} ulp"),
-            ("logits bitwise equal", f"{100 * par['logits_equal_fraction']:.1f}%"),
-            ("max / mean |d logits|", f"{_g(par['max_abs_diff'])} / {_g(par['mean_abs_diff'])}"),
-            ("top-1 agreement", f"{100 * par['top1_agreement']:.1f}% of {positions} positions"),
-            ("KL divergence mean / max", f"{_g(par['kl_mean'])} / {_g(par['kl_max'])}"),
-            (f"greedy generation{' (compiled)' if settings.get('compile') else ''}, up to "
-             f"{settings['max_new_tokens']} tokens", _greedy_summary(par)),
+            ("norm outputs, same inputs", f"{norms.differing} of {_count_plain(norms.elements)} elements "
+             f"differ ({norms.norm_calls} norm calls), by at most {norms.max_ulp} ulp"),
+            ("logits bitwise equal", f"{100 * par.logits_equal_fraction:.1f}%"),
+            ("max / mean |d logits|", f"{_g(par.max_abs_diff)} / {_g(par.mean_abs_diff)}"),
+            ("top-1 agreement", f"{100 * par.top1_agreement:.1f}% of {positions} positions"),
+            ("KL divergence mean / max", f"{_g(par.kl_mean)} / {_g(par.kl_max)}"),
+            (f"greedy generation{' (compiled)' if settings.compile else ''}, up to "
+             f"{settings.max_new_tokens} tokens", _greedy_summary(par)),
         ], numeric=False),
     ]
     lines += [
-        f"  row {d['row']} first differs at token {d['step']}: unpatched gap {_g(d['unpatched_gap'])}, patched gap "
-        f"{_g(d['patched_gap'])}, noise {_g(d['noise'])}: {'a near-tie' if d['near_tie'] else 'NOT a near-tie'}"
-        for d in par["divergences"]
+        f"  row {d.row} first differs at token {d.step}: unpatched gap {_g(d.unpatched_gap)}, patched gap "
+        f"{_g(d.patched_gap)}, noise {_g(d.noise)}: {'a near-tie' if d.near_tie else 'NOT a near-tie'}"
+        for d in par.divergences
     ]
-    if report.get("generations"):
+    if report.generations:
         lines += ["", "Generated text"]
-        for i, item in enumerate(report["generations"]):
-            lines.append(f"  [{i}] {item['prompt']}")
-            lines.append(f"      unpatched: {item['unpatched']!r}")
-            same = item["patched"] == item["unpatched"]
-            lines.append(f"      patched:   {'(identical)' if same else repr(item['patched'])}")
+        for i, item in enumerate(report.generations):
+            lines.append(f"  [{i}] {item.prompt}")
+            lines.append(f"      unpatched: {item.unpatched!r}")
+            same = item.patched == item.unpatched
+            lines.append(f"      patched:   {'(identical)' if same else repr(item.patched)}")
     lines.append("")
     if speed is None:
         lines.append("Speed: not measured; it needs a GPU (the interpreter's timings would mean nothing).")
     else:
-        unpatched, patched, free = speed["unpatched"], speed["patched"], speed["norm_free"]
+        unpatched, patched, free = speed.unpatched, speed.patched, speed.norm_free
         gib = 1024 ** 3
-
-        def share(key: str) -> str:
-            value = speed[key]
-            return "n/a" if value is None else f"{100 * value:.0f}%"
-
         lines += [
-            f"Speed: generate(){_compiled(settings)} on {env['device_name']}, batch {settings['batch_size']}, prompt "
-            f"{settings['prompt_len']}, {settings['max_new_tokens']} new tokens, median of {settings['repeats']} "
+            f"Speed: generate(){_compiled(settings)} on {env.device_name}, batch {settings.batch_size}, prompt "
+            f"{settings.prompt_len}, {settings.max_new_tokens} new tokens, median of {settings.repeats} "
             "rounds, the three states interleaved",
             _table([
                 ("", "unpatched", "patched", "speedup", "norm-free", "share of its gain"),
-                ("prefill tokens/s", f"{unpatched['prefill_tokens_per_s']:.0f}",
-                 f"{patched['prefill_tokens_per_s']:.0f}", f"{speed['prefill_speedup']:.3f}x",
-                 f"{free['prefill_tokens_per_s']:.0f}", share("prefill_gain_share")),
-                ("decode tokens/s", f"{unpatched['decode_tokens_per_s']:.1f}",
-                 f"{patched['decode_tokens_per_s']:.1f}", f"{speed['decode_speedup']:.3f}x",
-                 f"{free['decode_tokens_per_s']:.1f}", share("decode_gain_share")),
-                ("generate() peak memory GiB (beyond weights)", f"{unpatched['peak_memory_bytes'] / gib:.3f}",
-                 f"{patched['peak_memory_bytes'] / gib:.3f}", "", f"{free['peak_memory_bytes'] / gib:.3f}", ""),
+                ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.0f}",
+                 f"{patched.prefill_tokens_per_s:.0f}", f"{speed.prefill_speedup:.3f}x",
+                 f"{free.prefill_tokens_per_s:.0f}", _share(speed.prefill_gain_share)),
+                ("decode tokens/s", f"{unpatched.decode_tokens_per_s:.1f}",
+                 f"{patched.decode_tokens_per_s:.1f}", f"{speed.decode_speedup:.3f}x",
+                 f"{free.decode_tokens_per_s:.1f}", _share(speed.decode_gain_share)),
+                ("generate() peak memory GiB (beyond weights)", f"{unpatched.peak_memory_bytes / gib:.3f}",
+                 f"{patched.peak_memory_bytes / gib:.3f}", "", f"{free.peak_memory_bytes / gib:.3f}", ""),
             ]),
-            f"  {speed['norm_free_note']}: the most any norm kernel could save.",
+            f"  {speed.norm_free_note}: the most any norm kernel could save.",
         ]
-    eager_err, patched_err = par["unpatched_mean_err"], par["patched_mean_err"]
+    eager_err, patched_err = par.unpatched_mean_err, par.patched_mean_err
     ratio = patched_err / eager_err if eager_err else (1.0 if patched_err == 0 else float("inf"))
-    flips = len(par["divergences"])
+    flips = len(par.divergences)
     lines += [
         "",
-        f"Verdict: {'PASS' if report['passed'] else 'FAIL'}: error vs reference {ratio:.3f}x the unpatched "
-        f"model's ({'ok' if par['accuracy_ok'] else 'too high'}), {par['patched_top1_misses']} top-1 misses "
-        f"where the reference is decisive ({'ok' if par['top1_ok'] else 'must be 0'}), greedy tokens "
+        f"Verdict: {'PASS' if report.passed else 'FAIL'}: error vs reference {ratio:.3f}x the unpatched "
+        f"model's ({'ok' if par.accuracy_ok else 'too high'}), {par.patched_top1_misses} top-1 misses "
+        f"where the reference is decisive ({'ok' if par.top1_ok else 'must be 0'}), greedy tokens "
         + ("identical" if not flips else f"first differ in {flips} rows, "
-           + ("all at near-ties (ok)" if par["greedy_ok"] else "not all at near-ties (must be)")),
+           + ("all at near-ties (ok)" if par.greedy_ok else "not all at near-ties (must be)")),
     ]
-    if report["failure"]:
-        lines.append(f"  {report['failure']}")
+    if report.failure:
+        lines.append(f"  {report.failure}")
     return "\n".join(lines)
 
 
@@ -220,24 +227,27 @@ def _timed_states(model: torch.nn.Module, norm_names: list[str]) -> list[ModelSt
     ]
 
 
-def _speed_report(figures: dict[str, SpeedFigures]) -> dict:
-    """The ``speed`` part of the report: each state's figures, the patched speedups, and the share of the
-    norm-free model's gain that the patch delivers (None where the norm-free model was not faster)."""
+def _speed_report(figures: dict[str, SpeedFigures]) -> SpeedReport:
+    """The ``speed`` part of the report, from each timed state's figures (``_timed_states`` names them)."""
     unpatched, patched, free = figures["unpatched"], figures["patched"], figures["norm_free"]
-    return {
-        **{name: f.to_dict() for name, f in figures.items()},
-        **speedups(unpatched, patched),
-        "norm_free_speedups": speedups(unpatched, free),
-        "prefill_gain_share": gain_share(unpatched.prefill_tokens_per_s, patched.prefill_tokens_per_s,
-                                         free.prefill_tokens_per_s),
-        "decode_gain_share": gain_share(unpatched.decode_tokens_per_s, patched.decode_tokens_per_s,
-                                        free.decode_tokens_per_s),
-        "norm_free_note": ORACLE_NOTE,
-    }
+    patched_speedups = speedups(unpatched, patched)
+    return SpeedReport(
+        unpatched=unpatched,
+        patched=patched,
+        norm_free=free,
+        prefill_speedup=patched_speedups.prefill_speedup,
+        decode_speedup=patched_speedups.decode_speedup,
+        norm_free_speedups=speedups(unpatched, free),
+        prefill_gain_share=gain_share(unpatched.prefill_tokens_per_s, patched.prefill_tokens_per_s,
+                                      free.prefill_tokens_per_s),
+        decode_gain_share=gain_share(unpatched.decode_tokens_per_s, patched.decode_tokens_per_s,
+                                     free.decode_tokens_per_s),
+        norm_free_note=ORACLE_NOTE,
+    )
 
 
-def run(config: VerifyConfig, device: torch.device) -> dict:
-    """Loads, checks, runs, patches and compares; returns the report (the JSON document).
+def run(config: VerifyConfig, device: torch.device) -> VerifyReport:
+    """Loads, checks, runs, patches and compares; returns the report.
 
     Raises:
         InputError: the model cannot be loaded or patched; the message says what to pass instead.
@@ -308,52 +318,52 @@ def run(config: VerifyConfig, device: torch.device) -> dict:
     if tokenizer is not None:
         eos_id = model.generation_config.eos_token_id
         generations = [
-            {"prompt": question, "unpatched": eager_text, "patched": patched_text}
+            GeneratedText(prompt=question, unpatched=eager_text, patched=patched_text)
             for question, eager_text, patched_text in zip(
                 questions, _texts(tokenizer, eager_generation, eos_id), _texts(tokenizer, patched_generation, eos_id)
             )
         ]
-    return {
-        "passed": result.passed and failure is None,
-        "failure": failure,
-        "model": config.model,
-        "model_class": type(model).__name__,
-        "weights": weights_source(config.model, model, config.seed),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "dtype": dtype_name,
-        "settings": {
-            "batch_size": config.batch_size, "parity_batch_size": parity_rows,
-            "parity_prompts": "chat" if questions else "passage",
-            "parity_prompt_len": int(prompts.input_ids.shape[1]), "prompt_len": config.prompt_len,
-            "max_new_tokens": new_tokens, "repeats": config.repeats if on_gpu else None, "seed": config.seed,
-            "compile": workload.COMPILE_MODES.get(compile_on),
-        },
-        "environment": {
-            "hf_rmsnorm": hf_rmsnorm.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "device": device.type,
-            "device_name": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-            "triton_interpreter": not on_gpu,
-            "kernels": backend.describe(device),
-        },
-        "patch": {
-            "norms": len(patch.norms), "fused_adds": len(patch.fused_adds), "skipped": len(patch.skipped),
-            "skipped_modules": [list(item) for item in patch.skipped], "families": list(patch.families),
-        },
-        "parity": result.to_dict(),
-        "norm_outputs": norm_agreement.to_dict(),
-        "generations": generations,
-        "rule": VERDICT_RULE,
-        "speed": speed,
-    }
+    return VerifyReport(
+        passed=result.passed and failure is None,
+        failure=failure,
+        model=config.model,
+        model_class=type(model).__name__,
+        weights=weights_source(config.model, model, config.seed),
+        parameters=sum(p.numel() for p in model.parameters()),
+        dtype=dtype_name,
+        settings=WorkloadSettings(
+            batch_size=config.batch_size, parity_batch_size=parity_rows,
+            parity_prompts="chat" if questions else "passage",
+            parity_prompt_len=int(prompts.input_ids.shape[1]), prompt_len=config.prompt_len,
+            max_new_tokens=new_tokens, repeats=config.repeats if on_gpu else None, seed=config.seed,
+            compile=workload.COMPILE_MODES.get(compile_on),
+        ),
+        environment=Environment(
+            hf_rmsnorm=hf_rmsnorm.__version__, torch=torch.__version__,
+            transformers=transformers.__version__, triton=triton.__version__,
+            python=platform.python_version(), device=device.type,
+            device_name=torch.cuda.get_device_name(device) if on_gpu else "cpu",
+            triton_interpreter=not on_gpu,
+            kernels=backend.describe(device),
+        ),
+        patch=PatchSummary(
+            norms=len(patch.norms), fused_adds=len(patch.fused_adds), skipped=len(patch.skipped),
+            skipped_modules=list(patch.skipped), families=list(patch.families),
+        ),
+        parity=result,
+        norm_outputs=norm_agreement,
+        generations=generations,
+        rule=VERDICT_RULE,
+        speed=speed,
+    )
 
 
-def verify(config: VerifyConfig, device: torch.device) -> dict:
+def verify(config: VerifyConfig, device: torch.device) -> VerifyReport:
     """``run``, then the report printed on stdout (and written as JSON to ``config.json``); returns it."""
     report = run(config, device)
     print(render(report))
     if config.json is not None:
         path = config.json.expanduser().absolute()
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         print(f"Report written as JSON to {path}")
     return report

@@ -1,0 +1,56 @@
+"""A whole ``verify`` report of made-up figures, for the tests of what reads one (``verify.render``, the GPU
+suite's summary)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from hf_rmsnorm.tools import parity, workload
+from hf_rmsnorm.tools.verify import _speed_report
+from hf_rmsnorm.tools.verify_report import (
+    Environment,
+    GeneratedText,
+    NormOutputAgreement,
+    ParityReport,
+    PatchSummary,
+    SpeedFigures,
+    SpeedReport,
+    VerifyReport,
+    WorkloadSettings,
+)
+from hf_rmsnorm.tools.verify_settings import VERDICT_RULE
+
+
+def identical_parity() -> ParityReport:
+    """Parity of a patched model whose logits and greedy tokens are the unpatched model's."""
+    logits = torch.randn(8, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    generation = workload.Generation(tokens, torch.zeros(4, 2, 32).scatter_(-1, tokens.T.unsqueeze(-1), 5.0))
+    return parity.compare(logits, logits.clone(), logits, torch.bfloat16, generation, generation)
+
+
+def speed_report(unpatched: SpeedFigures, patched: SpeedFigures, norm_free: SpeedFigures) -> SpeedReport:
+    return _speed_report({"unpatched": unpatched, "patched": patched, "norm_free": norm_free})
+
+
+def sample_report(**changes) -> VerifyReport:
+    """A GPU run's report of a bf16 model that passed, with ``changes`` (``VerifyReport`` fields) applied."""
+    report = VerifyReport(
+        passed=True, failure=None, model="m", model_class="C", weights="random weights (seed 0)", parameters=10**6,
+        dtype="bf16",
+        settings=WorkloadSettings(batch_size=1, parity_batch_size=2, parity_prompts="chat", parity_prompt_len=9,
+                                  prompt_len=8, max_new_tokens=3, repeats=2, seed=0, compile=None),
+        environment=Environment(hf_rmsnorm="0", torch="0", transformers="0", triton="0", python="3", device="cuda",
+                                device_name="GPU", triton_interpreter=False, kernels="Triton kernels on the GPU"),
+        patch=PatchSummary(norms=5, fused_adds=4, skipped=1, skipped_modules=[("lm_head", "not a norm")],
+                           families=["Llama"]),
+        parity=identical_parity(),
+        norm_outputs=NormOutputAgreement(norm_calls=5, elements=2_000_000, differing=3, max_ulp=1),
+        generations=[GeneratedText(prompt="Q0?", unpatched="A0", patched="A0")],
+        rule=VERDICT_RULE,
+        speed=speed_report(SpeedFigures(1000.0, 80.0, 2**30), SpeedFigures(1100.0, 100.0, 2**30),
+                           SpeedFigures(1250.0, 120.0, 2**30)),
+    )
+    return dataclasses.replace(report, **changes)
