@@ -17,27 +17,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import fused
 
-# The four families of the issue, tested in every dtype.
-MAIN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
-# The other families of the table, in bf16 only (same code paths, other classes); Phi3 has its own tests.
-OTHER_FAMILIES = ["phi3", "ministral", "smollm3", "qwen2_moe", "qwen3_moe", "granite"]
-OVERRIDES = {
-    "qwen2_moe": dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
-    ),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
-    "granite": dict(residual_multiplier=0.5),
-}
 VOCAB = 128
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float32, *, layers: int = 2, seed: int = 0, **overrides):
-    """A randomly initialised model of ``family`` (a transformers model type) in eval mode. Norm weights are
-    drawn around 1 (not left at ones) so a kernel that ignored or misapplied them would show."""
+    """A randomly initialised model of ``family`` (a transformers model type) in eval mode, with ``overrides`` of
+    its config (a family's own in ``family_cases.CASES``). Norm weights are drawn around 1 (not left at ones) so a
+    kernel that ignored or misapplied them would show."""
     fields = dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False, **OVERRIDES.get(family, {}),
+        tie_word_embeddings=False,
     )
     fields.update(overrides)
     torch.manual_seed(seed)

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import CONFIG_MAPPING
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from family_cases import CASES, DERIVED, names
 from harness import residual_census
 from patch_models import Parity
 from hf_rmsnorm import check_model, patch_model, unpatch_model
@@ -277,16 +278,6 @@ def test_the_derived_forward_keeps_the_decorators_signature_and_source():
 
 # ----------------------------------------------------------------------------------- transformers' own models
 
-# Model types of no registered layer shape, fused through their derived forwards (docs/coverage.md), with the
-# residual adds their tiny model (coverage's config) fuses: every add next to a patched norm, as the residual
-# census counts them (checked too). Types a transformers release lacks are skipped.
-DERIVED_TYPES = {
-    "granitemoe": 4, "jamba": 4, "lfm2": 8, "falcon_h1": 4, "nemotron_h": 4, "minimax": 4, "gemma4_text": 6,
-    "apertus": 4, "stablelm": 4, "mamba": 2, "bamba": 4, "flex_olmo": 4, "vaultgemma": 4, "jetmoe": 4,
-    "longcat_flash": 8, "glm_moe_dsa": 4, "xlstm": 4,
-}
-
-
 def _build(model_type: str):
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {model_type}")
@@ -309,7 +300,7 @@ def _logits(model, ids) -> torch.Tensor:
         return model(ids, use_cache=False).logits.double()
 
 
-@pytest.mark.parametrize("model_type", sorted(DERIVED_TYPES))
+@pytest.mark.parametrize("model_type", sorted(names(DERIVED)))
 def test_derived_model_types_patch_with_parity(model_type):
     model = _build(model_type)
     run = functools.partial(_logits, ids=_ids(model))
@@ -317,8 +308,9 @@ def test_derived_model_types_patch_with_parity(model_type):
     norms = {m for name, m in model.named_modules() if name in set(check_model(model).norms)}
     next_to_norms = residual_census.adds_next_to_norms(model, run, norms, _width(model))
     report = patch_model(model)
-    assert len(report.fused_adds) == DERIVED_TYPES[model_type], str(report)
-    assert residual_census.fused_adds(model, run) == len(next_to_norms) == DERIVED_TYPES[model_type]
+    adds = CASES[model_type].adds
+    assert len(report.fused_adds) == adds, str(report)
+    assert residual_census.fused_adds(model, run) == len(next_to_norms) == adds
     parity.check_patched()
 
 

@@ -8,68 +8,27 @@ import functools
 
 import pytest
 import torch
+from family_cases import CASES, RECOGNISED, names
 from patch_models import Parity, input_ids, tiny_model
 
 from hf_rmsnorm import patch_model
-
-# Before transformers 5.24 a hybrid layer renames its cache argument for the linear attention
-# (cache_params=past_key_values), which the registered body would not do: those layers run their derived forward
-# (their own code, renaming included), so every add is fused on both ends of the supported releases.
-HYBRID_ADDS = 4
-HYBRID = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-              layer_types=["linear_attention", "full_attention"])
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-# model type -> (config overrides, norms patched, residual adds fused). A tiny model has 2 layers: 4 adds when
-# the layer shape is known and the stack runs the layers then the final norm, 2 when only the layer is known.
-FAMILIES = {
-    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
-    "ministral3": ({}, 5, 4),
-    # Every other layer an MoE (a pair of flattened tokens and router logits), the other dense.
-    "llama4_text": (dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128,
-                         interleave_moe_layer_step=2), 5, 4),
-    "qwen3_next": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
-    "qwen3_5_text": (HYBRID, 7, HYBRID_ADDS),
-    "qwen3_5_moe_text": (dict(**MOE, shared_expert_intermediate_size=32, **HYBRID), 7, HYBRID_ADDS),
-    "nanochat": ({}, 9, 4),
-    "gemma": ({}, 5, 4),
-    "gemma2": (dict(sliding_window=4), 9, 4),
-    "gemma3_text": (dict(sliding_window=4), 13, 4),
-    "glm4": ({}, 9, 4),
-    "olmo2": ({}, 9, 4),
-    "olmo3": ({}, 9, 4),
-    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2), 5, 4),
-    "exaone4": ({}, 9, 4),
-    # Cohere's own LayerNorm class (mean-centred, no bias), recognised in the layernorm mode; its parallel layer
-    # adds (residual + attention) + mlp: the second add of each layer goes into the next norm's kernel.
-    "cohere": ({}, 3, 2),
-    "cohere2": (dict(sliding_window=4), 3, 2),
-    # Multi-head latent attention: the rotary part of a head is head_dim.
-    "deepseek_v3": (dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32,
-                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
-                         first_k_dense_replace=1, n_group=1, topk_group=1, num_key_value_heads=4), 9, 4),
-}
-# The casting mode each family's norms are recognised in (docs/numerics.md's table).
-MODES = {"qwen3_next": "gemma", "qwen3_5_text": "gemma", "gemma3_text": "gemma", "olmo3": "fp32_affine",
-         "nanochat": "llama", "mixtral": "llama", "deepseek_v3": "llama", "cohere": "layernorm",
-         "cohere2": "layernorm"}
-
 
 def _logits(model, ids):
     with torch.no_grad():
         return model(ids).logits.double()
 
 
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", sorted(names(RECOGNISED)))
 def test_recognised_families_patch_with_parity(model_type):
-    overrides, n_norms, n_adds = FAMILIES[model_type]
+    case = CASES[model_type]
     ids = input_ids()
-    model = tiny_model(model_type, **overrides)
+    model = tiny_model(model_type, **case.config)
     parity = Parity(model, functools.partial(_logits, ids=ids))
     report = patch_model(model)
-    assert (len(report.norms), len(report.fused_adds)) == (n_norms, n_adds), str(report)
-    if model_type in MODES:
+    assert (len(report.norms), len(report.fused_adds)) == (case.norms, case.adds), str(report)
+    if case.mode is not None:
         modes = {type(m)._hf_rmsnorm_kind.mode for name, m in model.named_modules() if name in report.norms}
-        assert modes == {MODES[model_type]}
+        assert modes == {case.mode}
     # Every RMSNorm-like module is patched or skipped with its reason, and the unknown layers are reported.
     skipped = dict(report.skipped)
     assert all(reason for reason in skipped.values())
@@ -86,8 +45,7 @@ def test_recognised_families_patch_with_parity(model_type):
 def test_generation_with_a_cache_is_unchanged(model_type):
     """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies
     pass every argument on as the originals do, prefill and decode; fp32 tokens identical to the eager model's."""
-    overrides = FAMILIES[model_type][0]
-    model = tiny_model(model_type, **overrides)
+    model = tiny_model(model_type, **CASES[model_type].config)
     ids = input_ids()
     settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
@@ -101,10 +59,10 @@ def test_generation_with_a_cache_is_unchanged(model_type):
 def test_a_residual_first_parallel_layer_trains_like_the_original(model_type):
     """Cohere's (h + attention) + mlp with its second add in the next norm's kernel, with autograd on: the loss
     and every gradient as the unpatched model's, to fp32 rounding."""
-    overrides = FAMILIES[model_type][0]
-    model = tiny_model(model_type, **overrides).train()
+    case = CASES[model_type]
+    model = tiny_model(model_type, **case.config).train()
     patched = copy.deepcopy(model)
-    assert len(patch_model(patched).fused_adds) == 2
+    assert len(patch_model(patched).fused_adds) == case.adds
     ids = input_ids()
     losses, grads = [], []
     for m in (model, patched):

@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from family_cases import CASES
 from patch_models import input_ids, tiny_model
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -45,7 +46,7 @@ class layers:
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 '''
 HUB_MODULE = "hfrmsnormtesthub"
-NORMS = 5  # the tiny Llama's: two per layer and the final norm
+NORMS, ADDS = CASES["llama"].norms, CASES["llama"].adds  # the tiny Llama's
 TOL = 1e-5  # fp32 logits, relative to the largest, as in test_patcher
 
 
@@ -119,7 +120,7 @@ def test_kernelize_after_patching_leaves_the_patched_norms_alone(hub):
     _kernelize(model)
     assert all("forward" not in norm.__dict__ for norm in _norms(model))
     _assert_close_to_eager(_logits(model), expected)
-    assert hub == [] and len(report.norms) == NORMS and len(report.fused_adds) == 4
+    assert hub == [] and len(report.norms) == NORMS and len(report.fused_adds) == ADDS
 
     unpatch_model(model)
     _kernelize(model)
@@ -134,7 +135,7 @@ def test_patching_a_kernelized_model_sets_the_hub_forwards_aside_and_unpatch_put
     hub_forwards = {norm: norm.__dict__["forward"] for norm in _norms(model)}
 
     report = patch_model(model)
-    assert len(report.norms) == NORMS and len(report.fused_adds) == 4 and not report.skipped
+    assert len(report.norms) == NORMS and len(report.fused_adds) == ADDS and not report.skipped
     assert report.hub_forwards == [
         f"{name}: hub layer {HUB_MODULE}.layers.LlamaStyleRMSNorm (kernel_layer_name 'RMSNorm') set aside, "
         "the fused forward runs" for name in report.norms
@@ -200,7 +201,7 @@ def test_a_hub_mlp_runs_inside_a_patched_layer(hub, hub_repo, monkeypatch, kerne
             _kernelize(model)
         report = patch_model(model)
         _kernelize(model)
-    assert len(report.fused_adds) == 4 and len(report.hub_forwards) == (NORMS if kernelize_first else 0)
+    assert len(report.fused_adds) == ADDS and len(report.hub_forwards) == (NORMS if kernelize_first else 0)
     _assert_close_to_eager(_logits(model), expected)
     assert hub == ["LlamaMLP", "LlamaMLP"]  # the layers' MLPs ran the hub layer, the patched norms their kernels
 

@@ -12,8 +12,7 @@ import warnings
 
 import pytest
 import torch
-import transformers
-from packaging.version import Version
+from family_cases import CASES, LAYERNORM, names
 from patch_models import reachable_modules
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -35,32 +34,12 @@ from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.patch import conversion
 
 V = 128
-FAMILIES = {
-    "gpt2": ("gpt2", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64)),
-    "gpt_neox": ("gpt_neox", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)),
-    "gpt_neox_sequential": (
-        "gpt_neox",
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             use_parallel_residual=False),
-    ),
-    "opt": (
-        "opt", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64)
-    ),
-    "phi": ("phi", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)),
-    "falcon": ("falcon", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)),
-    "gptj": ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8)),
-    "stablelm": (
-        "stablelm",
-        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128),
-    ),
-}
-# LayerNorms on the residual stream per tiny model: two layers of (norms per layer) plus the final norm.
-STREAM_NORMS = {"gpt2": 5, "gpt_neox": 5, "gpt_neox_sequential": 5, "opt": 5, "phi": 3, "falcon": 3, "gptj": 3,
-             "stablelm": 5}
+FAMILIES = names(LAYERNORM)
+PARALLEL = [family for family in FAMILIES if CASES[family].parallel]
 
 
 def tiny(family, dtype=torch.float32, seed=0, **overrides):
-    model_type, fields = FAMILIES[family]
+    model_type, fields = CASES[family].model_type, CASES[family].config
     fields = dict(fields, vocab_size=V, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **overrides)
     if model_type in ("gpt2", "gptj"):
         fields.pop("max_position_embeddings")
@@ -113,7 +92,7 @@ def test_fused_layernorms_match_unpatched_and_fp64_and_touch_no_weight(family, d
 
     report = patch_model(model)
     patched = logits(model, x)
-    assert len(report.norms) == STREAM_NORMS[family] and set(report.norms) <= set(lns)
+    assert len(report.norms) == CASES[family].norms and set(report.norms) <= set(lns)
     assert not report.converted and not report.centred and not report.centred_inputs
     assert not any(m._forward_pre_hooks for m in model.modules())
     assert list(model.state_dict()) == list(state)
@@ -139,7 +118,7 @@ def test_conversion_to_rmsnorm_is_exact_and_reports_every_changed_weight(family)
     changed = sorted(k for k, v in model.state_dict().items() if not torch.equal(v, state[k]))
     # Exactly the listed parameters changed, once, when patching; every writer of both layers is listed.
     assert changed == sorted(report.centred) and len(report.centred) >= 4
-    assert len(report.converted) == STREAM_NORMS[family] and report.converted == report.norms
+    assert len(report.converted) == CASES[family].norms and report.converted == report.norms
     assert len(report.centred_inputs) == 1 and report.centred_inputs[0].endswith(".0")
     scale = truth.abs().max().item()
     assert err(logits(model, x), eager) <= 1e-4 * scale and err(logits(model, x), truth) <= 1e-5 * scale
@@ -432,34 +411,23 @@ def test_qk_layernorms_are_left_alone_and_report_reads_well():
 
 
 
-# Residual adds fused per tiny model (2 layers): the sequential pre-LN blocks fit the generic layer body (the
-# attention add always, the MLP add in inference), the parallel blocks the generic parallel body (their one
-# add, in inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived.py);
-# Falcon's and OPT's keep their forward (their adds are followed by an `if`, no norm).
-# GPT-J's block took the generic parallel shape in transformers 5.24; before, no registered shape fits it and it
-# runs its derived forward (the report says why), handing its one add to the next norm all the same.
-GPTJ_REGISTERED = Version(transformers.__version__) >= Version("5.24")
-FUSED_ADDS = {"gpt2": 4, "gpt_neox": 2, "gpt_neox_sequential": 4, "opt": 0, "phi": 2, "falcon": 0,
-              "gptj": 2, "stablelm": 4}
-PARALLEL = ("gpt_neox", "phi", "gptj")
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sequential_blocks_fuse_their_residual_adds(family):
     model = tiny(family)
     x = ids(seed=4)
     truth = logits(model, x)
     report = patch_model(model)
-    assert len(report.fused_adds) == FUSED_ADDS[family], report.fused_adds
-    if family == "gptj" and not GPTJ_REGISTERED:
+    case = CASES[family]
+    assert len(report.fused_adds) == case.adds, report.fused_adds
+    if case.parallel and case.derived_forward:  # GPT-J before transformers 5.24
         assert dict(report.skipped)["transformer.h.0"].startswith("its forward is derived: no registered shape fits")
         assert all(" layer output -> " in line for line in report.fused_adds)
-    elif family in PARALLEL:
+    elif case.parallel:
         assert all(" parallel residual -> " in line for line in report.fused_adds)
-    elif family == "stablelm":
-        assert sum(" layer output -> " in line for line in report.fused_adds) == FUSED_ADDS[family] // 2
-    elif FUSED_ADDS[family]:
-        assert sum(" mlp residual -> " in line for line in report.fused_adds) == FUSED_ADDS[family] // 2
+    elif case.derived_forward:
+        assert sum(" layer output -> " in line for line in report.fused_adds) == case.adds // 2
+    elif case.adds:
+        assert sum(" mlp residual -> " in line for line in report.fused_adds) == case.adds // 2
     # Without and with autograd (the handoff between layers runs in both, LayerNorm mode) exact.
     assert err(logits(model, x), truth) <= 1e-5 * truth.abs().max().item()
     assert err(model(x).logits, truth) <= 1e-5 * truth.abs().max().item()
@@ -490,7 +458,7 @@ def test_parallel_blocks_draw_dropout_masks_in_the_original_order(family):
     model = tiny(family, **drop)
     reference = copy.deepcopy(model)
     report = patch_model(model)
-    assert len(report.fused_adds) == FUSED_ADDS[family]
+    assert len(report.fused_adds) == CASES[family].adds
     x = ids(seed=5)
     reference.train(), model.train()
     for grad in (False, True):  # no_grad: the handoff runs with the dropouts active; then autograd

@@ -11,8 +11,8 @@ import importlib
 
 import pytest
 import torch
+from family_cases import CASES
 from patch_models import tiny_model
-from test_families import FAMILIES as TINY_FAMILIES
 from torch import nn
 
 from hf_rmsnorm import patch_model
@@ -146,7 +146,7 @@ def test_the_verdicts_do_not_depend_on_the_device_context(model_type):
     """A model built on the meta device (transformers' skeleton-first loading) and a CPU model patched inside a
     meta device context get the report of the CPU model patched outside it: the probe runs on the CPU and reads
     only the dtype, shape and presence of a weight."""
-    overrides = TINY_FAMILIES[model_type][0] if model_type in TINY_FAMILIES else {}
+    overrides = CASES[model_type].config
     expected = _outcome(patch_model(tiny_model(model_type, **overrides)))
     with torch.device("meta"):
         skeleton = tiny_model(model_type, **overrides)

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from family_cases import CASES
 from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model, without_layer_fusion
 
 from hf_rmsnorm import patch_model, unpatch_model
@@ -194,7 +195,7 @@ def test_accelerate_dispatch_with_disk_offload(tmp_path, monkeypatch):
     }
     dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path), main_device="cpu")
     report = patch_model(model)
-    assert len(report.norms) == 5 and not report.skipped
+    assert len(report.norms) == CASES["llama"].norms and not report.skipped
     layer = model.model.layers[1]
     # accelerate's hook calls `_old_forward`, which must now be the fused forward.
     assert layer._old_forward.__func__ is type(layer).forward is not type(layer).__mro__[1].forward
@@ -224,7 +225,7 @@ def test_peft_lora(monkeypatch):
     patch_model(patched_before)
     patched_before = lora(patched_before)
 
-    assert len(report.norms) == 5 and len(report.fused_adds) == 4
+    assert (len(report.norms), len(report.fused_adds)) == (CASES["llama"].norms, CASES["llama"].adds)
     assert patch_model(patched_after.get_base_model()) is report
     for model in (patched_after, patched_before):
         assert count_ops(model, ids, monkeypatch, grad=True)["pow"] == 0

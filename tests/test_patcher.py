@@ -8,7 +8,8 @@ unfused, and accuracy against an fp64 copy of the model.
 
 import pytest
 import torch
-from patch_models import MAIN_FAMILIES, OTHER_FAMILIES, clone, count_ops, input_ids, tiny_model, without_layer_fusion
+from family_cases import CASES, MAIN, OTHER, names
+from patch_models import clone, count_ops, input_ids, tiny_model, without_layer_fusion
 
 from hf_rmsnorm import UnsupportedModelError, check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import fused, patcher
@@ -44,12 +45,13 @@ def norms_only(monkeypatch):
 
 @pytest.mark.parametrize(
     "family, dtype",
-    [(family, dtype) for family in MAIN_FAMILIES for dtype in DTYPES]
-    + [(family, torch.bfloat16) for family in OTHER_FAMILIES],
+    [(family, dtype) for family in names(MAIN) for dtype in DTYPES]
+    + [(family, torch.bfloat16) for family in names(OTHER)],
     ids=str,
 )
 def test_logits_match_eager_and_fp64(family, dtype, norms_only):
-    model = tiny_model(family, dtype)
+    case = CASES[family]
+    model = tiny_model(family, dtype, **case.config)
     ids = input_ids()
     truth = _logits(clone(model).double(), ids)
     eager = _logits(model, ids)
@@ -61,7 +63,7 @@ def test_logits_match_eager_and_fp64(family, dtype, norms_only):
     report = patch_model(model)
     patched = _logits(model, ids)
 
-    assert len(report.fused_adds) == 4  # both adds of both layers
+    assert (len(report.norms), len(report.fused_adds)) == (case.norms, case.adds)  # adds: both of both layers
     # The residual sum is rounded exactly as `residual + h` rounds, so fusing the adds changes no bit.
     assert torch.equal(patched, unfused)
     _assert_close_rel(patched, eager, LOGIT_TOL[dtype])
@@ -74,9 +76,9 @@ def test_logits_match_eager_and_fp64(family, dtype, norms_only):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("family", MAIN_FAMILIES)
+@pytest.mark.parametrize("family", names(MAIN))
 def test_loss_and_every_gradient_match_eager(family, dtype):
-    model = tiny_model(family, dtype).train()
+    model = tiny_model(family, dtype, **CASES[family].config).train()
     ids = input_ids()
     patched_model = clone(model)
     patch_model(patched_model)
@@ -97,9 +99,9 @@ def test_loss_and_every_gradient_match_eager(family, dtype):
     assert any("norm" in name and grads[1][name].abs().sum() > 0 for name in grads[1])
 
 
-@pytest.mark.parametrize("family", MAIN_FAMILIES)
+@pytest.mark.parametrize("family", names(MAIN))
 def test_greedy_generation_is_identical(family):
-    model = tiny_model(family)
+    model = tiny_model(family, **CASES[family].config)
     prompt = input_ids(batch=1, seq=5)
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
     expected = model.generate(prompt, **kwargs)
@@ -156,7 +158,7 @@ def test_classes_keep_their_names_and_isinstance():
     report = patch_model(model)
 
     assert {"model.layers.0.self_attn.q_norm", "model.layers.1.self_attn.k_norm", "model.norm"} <= set(report.norms)
-    assert len(report.norms) == 9 and report.families == ["Qwen3"]
+    assert len(report.norms) == CASES["qwen3"].norms and report.families == ["Qwen3"]
     for name, module in model.named_modules():
         cls, original = type(module), originals[name]
         assert isinstance(module, original)
@@ -348,7 +350,7 @@ def test_a_layer_of_unexpected_structure_keeps_patched_norms_without_fused_adds(
     ids = input_ids()
     eager = _logits(model, ids)
     report = patch_model(model)
-    assert len(report.norms) == 5 and not report.fused_adds
+    assert len(report.norms) == CASES["llama"].norms and not report.fused_adds
     assert [name for name, _ in report.skipped] == ["model.layers.0", "model.layers.1"]
     assert "residual adds not fused: forward(hidden_states" in report.skipped[0][1]
     _assert_close_rel(_logits(model, ids), eager, LOGIT_TOL[torch.bfloat16])
@@ -448,7 +450,7 @@ def test_a_parallel_layer_no_known_model_forward_runs_keeps_its_class_and_says_w
     monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
     monkeypatch.setattr(patcher.derived, "stack_kind", lambda cls: None)
     report = patch_model(model)
-    assert len(report.norms) == 3 and not report.fused_adds
+    assert len(report.norms) == CASES["cohere"].norms and not report.fused_adds
     assert all(fused.original_class(layer) is None for layer in model.model.layers)
     assert dict(report.skipped)["model.layers.0"] == (
         "residual adds not fused: a parallel pre-norm block's add can only go into the next norm's kernel, and no "

@@ -7,23 +7,16 @@ import types
 
 import pytest
 import torch
+from family_cases import CASES, LAYERNORM
 from patch_models import input_ids, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import fused
 
-HYBRID = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-              layer_types=["linear_attention", "full_attention"])
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-RMSNORM_FAMILIES = {
-    "llama": {}, "qwen3": {}, "gemma2": dict(sliding_window=4), "olmo2": {}, "nanochat": {},
-    "qwen3_next": dict(**MOE, shared_expert_intermediate_size=32, **HYBRID),
-}
-LAYERNORM_FAMILIES = {
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=64),
-    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
-}
+# Families of differently patched classes: plain, per-head q/k norms, post-norms, weightless norms, hybrid layers,
+# and LayerNorm decoders of sequential and parallel blocks.
+FAMILIES = ["llama", "qwen3", "gemma2", "olmo2", "nanochat", "qwen3_next", "gpt2", "gpt_neox"]
 
 # What a fused norm's forward adds to the original's parameters.
 ADDED_NORM_PARAMS = [
@@ -32,14 +25,15 @@ ADDED_NORM_PARAMS = [
 
 
 def _model(family):
-    if family in RMSNORM_FAMILIES:
-        return tiny_model(family, **RMSNORM_FAMILIES[family])
+    case = CASES[family]
+    if LAYERNORM not in case.groups:
+        return tiny_model(case.model_type, **case.config)
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=128, bos_token_id=1, eos_token_id=2, **LAYERNORM_FAMILIES[family])
+    config = AutoConfig.for_model(case.model_type, vocab_size=128, bos_token_id=1, eos_token_id=2, **case.config)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("family", [*RMSNORM_FAMILIES, *LAYERNORM_FAMILIES])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_patched_class_keeps_the_original_signature_and_docstring(family):
     model = _model(family)
     patch_model(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_cases import CASES
 from patch_models import tiny_model
 from test_dtensor import mesh  # noqa: F401  (a fixture: the 1-rank mesh)
 from test_finetune import _free_port, _run
@@ -135,7 +136,7 @@ def test_patched_tp_models_match_unpatched_on_2_processes(tmp_path):
         # The all-reduced branch outputs the fused adds read are local tensors, not DTensors.
         assert run["branch_outputs"] == ["Tensor"], case
     qwen3 = result["models"]["qwen3 auto"]
-    assert qwen3["skipped"] == [] and len(qwen3["norms"]) == 9
+    assert qwen3["skipped"] == [] and len(qwen3["norms"]) == CASES["qwen3"].norms
     assert all(f"model.layers.{i}.self_attn.{n}_norm" in qwen3["norms"] for i in range(2) for n in "qk")
     # Where the plan wrapped q_norm/k_norm (transformers >= 5.2x), the wrapper called the kernels, and calls the
     # original forward again after unpatching.
@@ -145,7 +146,8 @@ def test_patched_tp_models_match_unpatched_on_2_processes(tmp_path):
             "Qwen3RMSNorm: transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm.forward"
         )
     llama = result["models"]["llama auto"]
-    assert llama["skipped"] == [] and len(llama["norms"]) == 5 and len(llama["fused_adds"]) == 4
+    assert llama["skipped"] == [] and (len(llama["norms"]), len(llama["fused_adds"])) == (
+        CASES["llama"].norms, CASES["llama"].adds)
     sequence_parallel = result["models"]["llama sequence-parallel final norm"]
     assert sequence_parallel["skipped"] == [["model.norm", SEQUENCE_PARALLEL_REASON]]
 
