@@ -68,7 +68,7 @@ def _main(argv: list[str]) -> int:
     device = cli.select_device(args.device)
     from hf_rmsnorm.tools.verify import verify
 
-    return cli.EXIT_OK if verify(with_defaults(args, device.type), device)["passed"] else cli.EXIT_FAILED
+    return cli.EXIT_OK if verify(with_defaults(args, device.type), device).passed else cli.EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

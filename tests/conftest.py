@@ -9,6 +9,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from hf_rmsnorm.ops import backend
 
@@ -24,3 +26,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A 1-rank device mesh (gloo on CPU, nccl on a GPU), for the DTensor and tensor-parallel tests."""
+    device = "cpu" if backend.kernels_interpreted() else "cuda"
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo" if device == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh(device, (1,))
+    if started:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Resets accelerate's singleton state around a test that builds an Accelerator in this process."""
+    from accelerate.state import AcceleratorState  # a test extra: imported by the tests that need it only
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

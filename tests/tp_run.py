@@ -1,4 +1,4 @@
-"""Tensor parallel on CPU, run by tests/test_tensor_parallel.py as ``python -m torch.distributed.run
+"""Tensor parallel on CPU, run by tests/patch/test_tensor_parallel.py as ``python -m torch.distributed.run
 --nproc_per_node 2 tests/tp_run.py --out RESULT.json FAMILY=MODEL_DIR...`` (gloo; kernels in Triton's interpreter).
 
 Each rank checks, and rank 0 writes as JSON (the largest difference over both ranks):

@@ -1,6 +1,6 @@
 """Traces compiled norm calls on (fake) GPU tensors and prints, as JSON, what the graphs inductor would get contain.
 
-Run as a script by tests/test_triton_ops.py, in a process of its own: the kernels must be defined for a GPU
+Run as a script by tests/ops/test_triton_ops.py, in a process of its own: the kernels must be defined for a GPU
 (``wrap_triton`` traces compiled Triton kernels only), while the test session runs them in the interpreter.
 No GPU is needed: the inputs are fake CUDA tensors, which carry shapes and dtypes but no data, and where no GPU
 driver is present Triton is told to generate code for an H100 (sm_90), as torch's analysis of which arguments a

@@ -1,12 +1,12 @@
 """Trains tiny models with transformers' ``Trainer`` and TRL's ``SFTTrainer``, unpatched and patched, in one
-launch; launched by tests/test_trainers.py as
+launch; launched by tests/patch/test_trainers.py as
 ``accelerate launch --multi_gpu --num_processes 2 tests/trainer_run.py OUT.json``.
 
 Each run of ``RUNS`` builds the same model, patches it (or not) before constructing its trainer, and trains a
 few fp32 steps on the same in-memory dataset. Every process counts the norm-kernel calls it made, so
 the test can tell that each rank really ran the patched norms. Process 0 writes, per run: the logged losses (the
 mean over processes), how the trainer distributed the model, the per-process kernel-call counts, the number of
-norms patched and the final norm weights. tests/test_trainers.py also imports the pieces below for its
+norms patched and the final norm weights. tests/patch/test_trainers.py also imports the pieces below for its
 one-process runs.
 """
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import SCRIPTS
 
 from hf_rmsnorm.tools import cli, workload
 from hf_rmsnorm.tools.finetune_settings import FinetuneConfig
@@ -18,7 +19,7 @@ from hf_rmsnorm.tools.loading import ModelLoadError, load_model
 from hf_rmsnorm.tools.presets import build_preset
 from hf_rmsnorm.tools.verify_settings import VerifyConfig
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 @pytest.mark.parametrize("script", ["verify.py", "finetune.py"])

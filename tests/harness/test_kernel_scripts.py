@@ -12,14 +12,14 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launching import SCRIPTS
 
 from harness import kernel_bench, kernel_inspect
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = SCRIPTS
 
 
 def _run_script(name: str, *args: str, timeout: float) -> subprocess.CompletedProcess:

@@ -28,17 +28,6 @@ DEVICE = "cpu" if kernels_interpreted() else "cuda"
 EPS = 1e-6
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    """A 1-rank mesh (gloo on CPU, nccl on a GPU) for the tests of this module (and of test_tensor_parallel)."""
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh(DEVICE, (1,))
-    if started:
-        dist.destroy_process_group()
-
-
 def _eager_llama_norm(x, weight):
     """Hugging Face's Llama RMSNorm written out in torch ops, which DTensor runs itself (its placements rule)."""
     h = x.float()

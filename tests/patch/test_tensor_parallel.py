@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from family_cases import CASES
 from patch_models import tiny_model
-from test_dtensor import mesh  # noqa: F401  (a fixture: the 1-rank mesh)
-from test_finetune import _free_port, _run
+from launching import TESTS, free_port, run_checked
 from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, TensorParallelLayer
 
 from hf_rmsnorm import UnsupportedModelError, patch_model, unpatch_model
@@ -29,7 +27,6 @@ pytestmark = pytest.mark.skipif(
     not kernels_interpreted(), reason="runs the kernels in Triton's interpreter, on CPU tensors (gloo)"
 )
 
-TESTS = Path(__file__).resolve().parent
 # Patched vs unpatched TP model, fp32, relative to the largest magnitude: the kernels' statistics differ from
 # torch's by 1-2 fp32 ulp (reduction order, ~1e-7 relative), which 2 layers, the softmax and the loss's backward
 # grow to ~1e-6 (measured: logits 3e-7, gradients 1.1e-6); 1e-5 leaves room without hiding a wrong term (>= 1e-3).
@@ -120,9 +117,9 @@ def test_patched_tp_models_match_unpatched_on_2_processes(tmp_path):
         tiny_model(family).save_pretrained(tmp_path / family)
         models.append(f"{family}={tmp_path / family}")
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(TESTS / "tp_run.py"), "--out", str(out), *models]
-    _run(cmd, TESTS)
+    run_checked(cmd, TESTS)
     result = json.loads(out.read_text())
 
     for case, value in result["ops"].items():  # 2-rank DTensors vs the plain ops on the whole tensors

@@ -5,16 +5,16 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from verify_samples import sample_report, speed_report
+from launching import SCRIPTS
 
 from harness import gpu_suite
 from harness.gpu_suite_report import Outcome, summary
 from hf_rmsnorm.tools.verify_report import SpeedFigures
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_suite.py"
+SCRIPT = SCRIPTS / "gpu_suite.py"
 
 
 @pytest.mark.slow

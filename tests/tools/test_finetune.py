@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from accelerate.state import AcceleratorState
+from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, run_checked
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel, PreTrainedModel
@@ -43,8 +39,7 @@ from hf_rmsnorm.tools.finetune_data import (
 )
 from hf_rmsnorm.tools.presets import build_preset
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "finetune.py"
+SCRIPT = SCRIPTS / "finetune.py"
 # Tiny runs: 2 sequences of 32 tokens per process and step, a learning rate large enough to move every weight.
 RUN_ARGS = ["--seq-len", "32", "--batch-size", "2", "--max-steps", "4", "--lr", "1e-3", "--seed", "3"]
 # Two LoRA steps with a learning rate large enough that the adapter visibly changes the logits.
@@ -52,7 +47,6 @@ LORA_ARGS = ["--lora", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2
 FP32_LOSS_RTOL = 1e-4
 BF16_LOSS_RTOL = 2.0**-8  # half a bf16 ulp
 UPDATE_RTOL = 1e-3  # of the norm of a tensor's change during training
-LAUNCH_TIMEOUT_S = 300
 
 
 def _corpus_text() -> str:
@@ -146,14 +140,6 @@ def _load_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-@pytest.fixture
-def fresh_accelerate_state():
-    # The script builds an Accelerator in this process; do not leak its singleton state into other tests.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 @pytest.mark.parametrize("missing, extra", [("accelerate", []), ("peft", ["--lora"])])
@@ -269,40 +255,11 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, corpus, capsys
 # --- training runs ----------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    # PYTHONFAULTHANDLER: a worker killed by a signal (a C++ abort in a collective) prints every thread's Python
-    # stack, so the failure names the line it happened on.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
-    return proc
-
-
 def _finetune(launcher: list[str], out: Path, extra: list[str]) -> tuple[dict, str]:
     """Runs the script; returns its metrics and its stdout."""
     metrics = out.with_suffix(".json")
-    proc = _run([*launcher, str(SCRIPT), "--output-dir", str(out), "--metrics-json", str(metrics), *extra], ROOT)
+    proc = run_checked([*launcher, str(SCRIPT), "--output-dir", str(out), "--metrics-json", str(metrics), *extra], ROOT)
     return json.loads(metrics.read_text()), proc.stdout
-
-
-def _accelerate() -> list[str]:
-    """``accelerate launch`` from this interpreter's environment, with the defaults it would warn about set."""
-    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or "accelerate"
-    return [accelerate, "launch", "--num_machines", "1", "--dynamo_backend", "no"]
-
-
-def _accelerate_ddp(mixed_precision: str = "no") -> list[str]:
-    """``accelerate launch`` of 2 processes on this host (DDP, or FSDP2 with the script's --fsdp)."""
-    return [
-        *_accelerate(), "--multi_gpu", "--num_processes", "2", "--mixed_precision", mixed_precision,
-        "--main_process_port", str(_free_port()),
-    ]
 
 
 def _assert_same_losses(patched: dict, unpatched: dict, rtol: float = FP32_LOSS_RTOL) -> None:
@@ -333,8 +290,8 @@ def ddp_runs(tmp_path_factory, corpus):
     """The same 2-process CPU DDP fine-tune of tiny-llama, patched and unpatched."""
     out = tmp_path_factory.mktemp("ddp")
     extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
-    patched = _finetune(_accelerate_ddp(), out / "patched", extra)
-    unpatched = _finetune(_accelerate_ddp(), out / "unpatched", [*extra, "--no-patch"])
+    patched = _finetune(accelerate_ddp(), out / "patched", extra)
+    unpatched = _finetune(accelerate_ddp(), out / "unpatched", [*extra, "--no-patch"])
     return out, patched, unpatched
 
 
@@ -374,7 +331,7 @@ def test_saved_checkpoint_loads_without_hf_rmsnorm(ddp_runs, tmp_path):
         "    'norms': sorted({type(m).__name__ for m in model.modules() if 'Norm' in type(m).__name__}),\n"
         "    'modules': sorted(n for n in sys.modules if n.startswith('hf_rmsnorm') and sys.modules[n])}))\n"
     )
-    result = json.loads(_run([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
+    result = json.loads(run_checked([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
     assert all(not v for v in result["info"].values()), result["info"]  # no missing or unexpected weights
     assert result["finite"] and result["norms"] == ["LlamaRMSNorm"] and result["modules"] == []
 
@@ -397,7 +354,7 @@ def test_lora_with_gradient_checkpointing_matches_unpatched(tmp_path, corpus):
 @pytest.mark.slow
 def test_bf16_autocast_matches_unpatched_within_bf16_noise(tmp_path, corpus):
     # Under autocast the kernels meet bf16 activations with fp32 weights and residuals, as under GPU bf16.
-    launcher = [*_accelerate(), "--cpu", "--num_processes", "1", "--mixed_precision", "bf16"]
+    launcher = [*accelerate_launch(), "--cpu", "--num_processes", "1", "--mixed_precision", "bf16"]
     extra = ["--model", "tiny-mistral", "--data", str(corpus), *RUN_ARGS]
     patched, _ = _finetune(launcher, tmp_path / "patched", extra)
     unpatched, _ = _finetune(launcher, tmp_path / "unpatched", [*extra, "--no-patch"])

@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from verify_samples import sample_report
+from launching import SCRIPTS
 
 from hf_rmsnorm import check_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
@@ -28,7 +28,7 @@ from hf_rmsnorm.tools.verify_report import GeneratedText
 # In-process runs of verify.py must ask for the device this test process set the kernels up for (conftest.py).
 IN_PROCESS_DEVICE = "cpu" if kernels_interpreted() else "cuda"
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "verify.py"
+SCRIPT = SCRIPTS / "verify.py"
 # Small enough that one run is a few seconds on two cores, large enough for padding and several decode steps.
 QUICK = ["--device", "cpu", "--batch-size", "2", "--prompt-len", "12", "--max-new-tokens", "4"]
 

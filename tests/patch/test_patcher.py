@@ -285,7 +285,7 @@ def test_unsupported_objects_raise_and_are_left_untouched(obj):
 def test_an_unsupported_family_raises_and_is_left_untouched():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    # GPT-2's LayerNorms are converted by default (tests/test_layernorm.py); with layernorm="skip" it has none.
+    # GPT-2's LayerNorms are converted by default (tests/patch/test_layernorm.py); with layernorm="skip" it has none.
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=16))
     before = _snapshot(model)
     message = r"^GPT2LMHeadModel \(model_type 'gpt2'\) has no norm .*LayerNorm.*supported families: .*family_names"

@@ -11,17 +11,17 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from launching import SCRIPTS
 
 from hf_rmsnorm.ops import launch, tuning
 from hf_rmsnorm.ops.tuning import PlanKey, TableError
 from harness import gpu_suite, gpu_suite_report, kernel_bench, kernel_tuning
 from harness.kernel_inspect import capture_launch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "tune_kernels.py"
+SCRIPT = SCRIPTS / "tune_kernels.py"
 ARCH = "sm_90"
 
 

@@ -16,12 +16,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer
-from test_finetune import (  # tests/ is on sys.path, as for patch_models
-    ROOT,
-    _accelerate_ddp,
-    _run,
-    fresh_accelerate_state,  # noqa: F401  (a fixture)
-)
+from launching import ROOT, TESTS, accelerate_ddp, run_checked
 from trainer_run import (
     BATCH,
     RUNS,
@@ -73,7 +68,7 @@ def ddp_runs(tmp_path_factory) -> dict:
     """Every run of trainer_run.py (Trainer on two families, SFTTrainer), unpatched and patched, in one 2-process
     launch."""
     out = tmp_path_factory.mktemp("trainer") / "runs.json"
-    _run([*_accelerate_ddp(), str(ROOT / "tests" / "trainer_run.py"), str(out)], ROOT)
+    run_checked([*accelerate_ddp(), str(TESTS / "trainer_run.py"), str(out)], ROOT)
     return json.loads(out.read_text())
 
 
@@ -117,7 +112,7 @@ def _train_with_model_init(output_dir: str, patched: bool) -> list[float]:
 
 
 @pytest.mark.slow
-def test_trainer_model_init_patched_matches_unpatched(tmp_path, kernel_calls, fresh_accelerate_state):  # noqa: F811
+def test_trainer_model_init_patched_matches_unpatched(tmp_path, kernel_calls, fresh_accelerate_state):
     unpatched = _train_with_model_init(str(tmp_path), patched=False)
     assert not kernel_calls
     patched = _train_with_model_init(str(tmp_path), patched=True)
@@ -128,7 +123,7 @@ def test_trainer_model_init_patched_matches_unpatched(tmp_path, kernel_calls, fr
 
 @pytest.mark.slow
 def test_sft_trainer_of_a_model_name_patched_after_construction(
-    tmp_path, kernel_calls, fresh_accelerate_state  # noqa: F811
+    tmp_path, kernel_calls, fresh_accelerate_state
 ):
     # A model passed by name (here a saved directory) is loaded by SFTTrainer's constructor: patch trainer.model
     # after it and before train(), which is where the model gets wrapped.

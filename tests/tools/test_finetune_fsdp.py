@@ -17,22 +17,16 @@ import torch
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict
 from safetensors.torch import load_file
-from test_finetune import (  # tests/ is on sys.path, as for patch_models
+from launching import LAUNCH_TIMEOUT_S, ROOT, accelerate_ddp, accelerate_launch, free_port, run_checked
+from test_finetune import (  # the same folder: pytest puts it on sys.path
     BF16_LOSS_RTOL,
-    LAUNCH_TIMEOUT_S,
-    ROOT,
     RUN_ARGS,
     SCRIPT,
-    _accelerate,
-    _accelerate_ddp,
     _assert_same_losses,
     _assert_same_training,
     _finetune,
-    _free_port,
     _load_script,
-    _run,
     corpus,  # noqa: F401  (a fixture)
-    fresh_accelerate_state,  # noqa: F401  (a fixture)
 )
 
 from hf_rmsnorm import patch_model
@@ -87,14 +81,14 @@ def _assert_refused(argv: list[str], message: str, capsys, out: Path) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="one GPU process is a group of one")
-def test_fsdp_with_one_cpu_process_is_refused(tmp_path, corpus, capsys, fresh_accelerate_state):  # noqa: F811
+def test_fsdp_with_one_cpu_process_is_refused(tmp_path, corpus, capsys, fresh_accelerate_state):
     argv = ["--output-dir", str(tmp_path / "out"), "--data", str(corpus), *RUN_ARGS, *FSDP]
     _assert_refused(argv, "--fsdp on CPU needs at least 2 processes", capsys, tmp_path / "out")
 
 
 @pytest.mark.parametrize("fsdp", [[], FSDP])
 def test_accelerates_own_fsdp_is_refused(
-    fsdp, tmp_path, corpus, capsys, monkeypatch, fresh_accelerate_state  # noqa: F811
+    fsdp, tmp_path, corpus, capsys, monkeypatch, fresh_accelerate_state
 ):
     # What `accelerate launch --use_fsdp` (or an FSDP accelerate config) sets; on CPU accelerate would quietly
     # run DDP, and on GPUs it would shard by a configuration other than --fsdp's.
@@ -111,7 +105,7 @@ def runs(tmp_path_factory, corpus):  # noqa: F811
     """2-process CPU runs of tiny-llama on the same data: FSDP2 patched and unpatched, and DDP patched."""
     out = tmp_path_factory.mktemp("fsdp")
     extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
-    fsdp, stdout = _finetune(_accelerate_ddp(), out / "fsdp", [*extra, *FSDP])
+    fsdp, stdout = _finetune(accelerate_ddp(), out / "fsdp", [*extra, *FSDP])
     # The first line says how the run is sharded.
     assert stdout.splitlines()[0].startswith(
         "fine-tuning tiny-llama: 4 steps x 2 sequences x 32 tokens x 2 processes = 512 tokens on cpu, "
@@ -119,8 +113,8 @@ def runs(tmp_path_factory, corpus):  # noqa: F811
     ), stdout
     return out, {
         "fsdp": fsdp,
-        "fsdp-unpatched": _finetune(_accelerate_ddp(), out / "fsdp-unpatched", [*extra, *FSDP, "--no-patch"])[0],
-        "ddp": _finetune(_accelerate_ddp(), out / "ddp", extra)[0],
+        "fsdp-unpatched": _finetune(accelerate_ddp(), out / "fsdp-unpatched", [*extra, *FSDP, "--no-patch"])[0],
+        "ddp": _finetune(accelerate_ddp(), out / "ddp", extra)[0],
     }
 
 
@@ -175,7 +169,7 @@ def test_saved_checkpoint_is_the_trained_model_for_plain_transformers(runs, tmp_
         "                    'architectures': model.config.architectures}\n"
         "print(json.dumps(result))\n"
     )
-    result = json.loads(_run([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
+    result = json.loads(run_checked([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
     fsdp, ddp = result["fsdp"], result["ddp"]
     assert fsdp["architectures"] == ["LlamaForCausalLM"]  # not FSDPLlamaForCausalLM
     assert fsdp["loss"] == pytest.approx(metrics["fsdp"]["final_loss"], rel=1e-6)
@@ -186,7 +180,7 @@ def test_saved_checkpoint_is_the_trained_model_for_plain_transformers(runs, tmp_
 def test_fsdp_with_gradient_checkpointing_trains_the_same(runs, tmp_path, corpus):  # noqa: F811
     _, metrics = runs
     extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS, *FSDP, "--gradient-checkpointing"]
-    checkpointed, _ = _finetune(_accelerate_ddp(), tmp_path / "out", extra)
+    checkpointed, _ = _finetune(accelerate_ddp(), tmp_path / "out", extra)
     assert checkpointed["gradient_checkpointing"] and checkpointed["fsdp"]["decoder_layers"] == 2
     _assert_close_losses(checkpointed, metrics["fsdp"])
 
@@ -195,8 +189,8 @@ def test_fsdp_with_gradient_checkpointing_trains_the_same(runs, tmp_path, corpus
 def test_fsdp_lora_matches_unpatched(tmp_path, corpus):  # noqa: F811
     # tiny-qwen3: tied embeddings (one parameter in the root unit twice) and per-head q/k norms.
     extra = ["--model", "tiny-qwen3", "--data", str(corpus), "--lora", "--gradient-checkpointing", *RUN_ARGS, *FSDP]
-    patched, _ = _finetune(_accelerate_ddp(), tmp_path / "patched", extra)
-    unpatched, _ = _finetune(_accelerate_ddp(), tmp_path / "unpatched", [*extra, "--no-patch"])
+    patched, _ = _finetune(accelerate_ddp(), tmp_path / "patched", extra)
+    unpatched, _ = _finetune(accelerate_ddp(), tmp_path / "unpatched", [*extra, "--no-patch"])
     assert patched["lora"] and patched["fsdp"]["decoder_params_per_process"][0] > 0
     _assert_close_losses(patched, unpatched)
     initial = get_peft_model_state_dict(add_lora(build_preset("tiny-qwen3", seed=3), seed=3))
@@ -211,8 +205,8 @@ def test_fsdp_bf16_policy_matches_unpatched_within_bf16_noise(tmp_path, corpus):
     # FSDP2's mixed-precision policy (accelerate's on GPUs): the kernels get bf16 weights, activations and
     # residuals, and the fp32 master weights stay sharded.
     extra = ["--model", "tiny-mistral", "--data", str(corpus), *RUN_ARGS, *FSDP]
-    patched, _ = _finetune(_accelerate_ddp("bf16"), tmp_path / "patched", extra)
-    unpatched, _ = _finetune(_accelerate_ddp("bf16"), tmp_path / "unpatched", [*extra, "--no-patch"])
+    patched, _ = _finetune(accelerate_ddp("bf16"), tmp_path / "patched", extra)
+    unpatched, _ = _finetune(accelerate_ddp("bf16"), tmp_path / "unpatched", [*extra, "--no-patch"])
     assert patched["mixed_precision"] == "bf16" and patched["patch"]["norms"] > 0
     _assert_same_losses(patched, unpatched, rtol=BF16_LOSS_RTOL)
     assert load_file(tmp_path / "patched" / "model.safetensors")["model.norm.weight"].dtype == torch.float32
@@ -221,11 +215,12 @@ def test_fsdp_bf16_policy_matches_unpatched_within_bf16_noise(tmp_path, corpus):
 def _launch_machines(out: Path, extra: list[str], n_machines: int = 2) -> dict:
     """``n_machines`` launches of one process each on this host, as separate machines would run them; returns
     the metrics (written by machine 0's process)."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(n_machines):
         launcher = [
-            *_accelerate()[:2], "--multi_gpu", "--num_machines", str(n_machines), "--num_processes", str(n_machines),
+            *accelerate_launch()[:2], "--multi_gpu", "--num_machines", str(n_machines),
+            "--num_processes", str(n_machines),
             "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
             "--mixed_precision", "no", "--dynamo_backend", "no",
         ]

@@ -2,13 +2,13 @@
 
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from launching import SCRIPTS
 
 from harness import coverage
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "coverage.py"
+SCRIPT = SCRIPTS / "coverage.py"
 
 
 def test_verdicts_of_known_model_types():

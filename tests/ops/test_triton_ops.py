@@ -8,17 +8,17 @@ the graphs AOTAutograd hands to inductor, with torch's own analysis of which arg
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from launching import TESTS
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm
 from hf_rmsnorm.ops import functional, launch
 
-TRACE_SCRIPT = Path(__file__).with_name("trace_compiled_ops.py")
+TRACE_SCRIPT = TESTS / "trace_compiled_ops.py"
 FWD, BWD, SUM = "norm_fwd_kernel", "norm_bwd_kernel", "sum_partials_kernel"
 ROW_DOT, COLUMN_BWD = "row_dot_kernel", "column_bwd_kernel"  # the backward of rows wider than one tile
 # The backward's second launch adds the programs' weight-gradient partial rows up and casts to the weight's dtype.
@@ -171,7 +171,8 @@ def test_inductor_launches_the_kernels_itself_with_the_eager_results(monkeypatch
     assert launches == [] and all(torch.equal(a, b) for a, b in zip(again, first))
     run(block)
     # The eager forward, backward and weight-gradient reduction do launch through it.
-    assert [args[0] for args in launches] == [launch.norm_fwd_kernel, launch.norm_bwd_kernel, launch.sum_partials_kernel]
+    assert [args[0] for args in launches] == [
+        launch.norm_fwd_kernel, launch.norm_bwd_kernel, launch.sum_partials_kernel]
 
 
 @pytest.mark.gpu

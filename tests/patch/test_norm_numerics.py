@@ -63,7 +63,7 @@ def test_every_registered_norm_computes_its_registry_mode(kind):
 def test_the_layernorm_kind_computes_nn_layernorm(dtype):
     """nn.LayerNorm with a random bias, in half precision. (In fp32 aten's layer_norm reduces in another order
     than the reference, an ulp apart, so no bitwise probe applies there; LAYERNORM_AS_RMSNORM equals a LayerNorm
-    only on the zero-mean rows the conversion makes, which tests/test_layernorm.py checks.)"""
+    only on the zero-mean rows the conversion makes, which tests/patch/test_layernorm.py checks.)"""
     norm = _trained_like(nn.LayerNorm(WIDTH)).to(dtype)
     mode, reason = recognition.probe_mode(norm, LAYERNORM.eps_attr, LAYERNORM.weight_attr, LAYERNORM.bias_attr,
                                           dtype, (LAYERNORM.mode,), input_dtypes=(dtype,))

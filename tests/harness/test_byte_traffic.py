@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launching import SCRIPTS
 
 from harness import byte_traffic, kernel_bench
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "byte_traffic.py"
+SCRIPT = SCRIPTS / "byte_traffic.py"
 
 # Widths at which the launch plans keep a bf16 row whole in registers, or not (the forward keeps up to 32768
 # elements whole, the backward up to 16384).
