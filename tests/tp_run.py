@@ -13,6 +13,7 @@ Each rank checks, and rank 0 writes as JSON (the largest difference over both ra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 from hf_rmsnorm.ops import backend
@@ -146,8 +147,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    # Both ranks tear gloo down together, once the result is written, so that neither's teardown overlaps work
-    # the other still does.
+    # Teardown in order, both ranks together (as finetune.py's): first every model and DTensor, which hold the
+    # process group through their device mesh (a patched model is a reference cycle, freed by the collector
+    # only), then the group. A group left to die during interpreter exit takes gloo's worker threads down with
+    # it: a rank aborted there once in CI ("terminate called without an active exception").
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

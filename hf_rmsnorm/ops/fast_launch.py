@@ -34,7 +34,7 @@ import triton
 from .backend import triton_at_least
 
 # The launcher interface (CompiledKernel.run/function/packed_metadata/launch_metadata, hooks in triton.knobs)
-# and the specialisation rules the key copies are those of Triton 3.5 and later, where tests/test_fast_launch.py
+# and the specialisation rules the key copies are those of Triton 3.5 and later, where tests/ops/test_fast_launch.py
 # checks the key against Triton's own binder; older releases always take Triton's own path.
 _KNOBS = triton.knobs if triton_at_least(3, 5) else None
 # Triton types an integer argument i32 in [-2**31, 2**31), u64 from 2**63, i64 in between.

@@ -248,7 +248,7 @@ def _hybrid(name: str, package: str, prefix: str, model: str, mlp_output: str) -
 
 
 # Each entry was checked against transformers' source: the norm's forward is LlamaRMSNorm's (unless the entry
-# names another mode; tests/test_norm_numerics.py probes every entry), the layer's is the LayerKind body, and
+# names another mode; tests/patch/test_norm_numerics.py probes every entry), the layer's is the LayerKind body, and
 # the model runs its layers then the final norm. Qwen3's q_norm / k_norm are Qwen3RMSNorm instances inside the
 # attention, matched by class like the others.
 FAMILIES: tuple[Family, ...] = (
