@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, gain_share
 from hf_rmsnorm.tools.verify_report import VerifyReport
 
@@ -38,6 +38,7 @@ LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other, and
 # optionally "<pair>-norm-free" (the oracle: the most any norm kernel could save).
 TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
+TRAIN_RUNS = ("patched", "unpatched", "norm-free")  # train_lines' arguments, in order
 # Sections whose JSON is a file of the checkout, copied into the output folder as written, ready to commit:
 # "tune" writes tuned_plans.json (hf_rmsnorm/ops/tuned_plans.json).
 COMMITTED_SECTIONS = ("tune",)
@@ -111,34 +112,36 @@ def generate_lines(name: str, report: VerifyReport) -> list[str]:
     return lines + _table(header, rows)
 
 
-def _step_seconds(metrics: dict) -> float:
-    times = metrics["step_times_s"][1:] or metrics["step_times_s"]
-    return statistics.median(times)
-
-
-def train_lines(name: str, patched: dict | None, unpatched: dict | None, free: dict | None = None) -> list[str]:
+def train_lines(name: str, patched: FinetuneMetrics | None, unpatched: FinetuneMetrics | None,
+                free: FinetuneMetrics | None = None) -> list[str]:
     """Median step time (first step left out), tokens/s and peak memory, patched against ``--no-patch``, and the
     share of the norm-free run's gain that the patch delivers."""
     runs = [(label, m) for label, m in (("patched", patched), ("unpatched", unpatched), ("norm-free", free)) if m]
     if not runs:
         return []
     first = runs[0][1]
-    sharding = ", FSDP2" if first.get("fsdp") else ""
-    lines = [f"### {name}: {first['model']}, {first['batch_size']} x {first['seq_len']} tokens, "
-             f"{first['mixed_precision']} mixed precision{sharding}, {first['max_steps']} steps", ""]
-    rows = [(label, f"{_step_seconds(m) * 1e3:.1f}", f"{m['tokens_per_s']:.0f}",
-             f"{(m['peak_memory_bytes'] or 0) / 2**30:.2f}", f"{m['losses'][0]:.4f} -> {m['losses'][-1]:.4f}")
+    sharding = ", FSDP2" if first.fsdp else ""
+    lines = [f"### {name}: {first.model}, {first.batch_size} x {first.seq_len} tokens, "
+             f"{first.mixed_precision} mixed precision{sharding}, {first.max_steps} steps", ""]
+    rows = [(label, f"{m.median_step_s * 1e3:.1f}", f"{m.tokens_per_s:.0f}",
+             f"{(m.peak_memory_bytes or 0) / 2**30:.2f}", f"{m.losses[0]:.4f} -> {m.losses[-1]:.4f}")
             for label, m in runs]
     lines += _table(("", "median step ms", "tokens/s", "peak memory GiB", "loss first -> last"), rows)
     if patched and unpatched:
-        lines += [f"Patched step speedup: {_step_seconds(unpatched) / _step_seconds(patched):.3f}x; peak memory "
-                  f"{(patched['peak_memory_bytes'] or 0) / max(unpatched['peak_memory_bytes'] or 1, 1):.3f}x "
+        lines += [f"Patched step speedup: {unpatched.median_step_s / patched.median_step_s:.3f}x; peak memory "
+                  f"{(patched.peak_memory_bytes or 0) / max(unpatched.peak_memory_bytes or 1, 1):.3f}x "
                   "of unpatched.", ""]
     if patched and unpatched and free:
-        share = gain_share(1 / _step_seconds(unpatched), 1 / _step_seconds(patched), 1 / _step_seconds(free))
-        lines += [f"Norm-free step speedup: {_step_seconds(unpatched) / _step_seconds(free):.3f}x; the patch "
+        share = gain_share(1 / unpatched.median_step_s, 1 / patched.median_step_s, 1 / free.median_step_s)
+        lines += [f"Norm-free step speedup: {unpatched.median_step_s / free.median_step_s:.3f}x; the patch "
                   f"delivers {'n/a' if share is None else f'{100 * share:.0f}%'} of that gain ({ORACLE_NOTE}).", ""]
     return lines
+
+
+def _train_metrics(data: dict[str, dict], name: str) -> FinetuneMetrics | None:
+    """The metrics section ``name`` wrote (``finetune.py --metrics-json``); None if it wrote none."""
+    metrics = data.get(name, {}).get(name)
+    return FinetuneMetrics.from_dict(metrics) if metrics else None
 
 
 def summary(outcomes: list[Outcome], toy: bool) -> str:
@@ -161,9 +164,7 @@ def summary(outcomes: list[Outcome], toy: bool) -> str:
         if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
             lines += generate_lines(name, VerifyReport.from_dict(report))
     for pair in TRAIN_PAIRS:
-        patched, unpatched, free = f"{pair}-patched", f"{pair}-unpatched", f"{pair}-norm-free"
-        lines += train_lines(pair, data.get(patched, {}).get(patched), data.get(unpatched, {}).get(unpatched),
-                             data.get(free, {}).get(free))
+        lines += train_lines(pair, *(_train_metrics(data, f"{pair}-{run}") for run in TRAIN_RUNS))
     return "\n".join(lines)
 
 

@@ -36,6 +36,7 @@ from ..patch import PatchReport, UnsupportedModelError, check_model, patch_model
 from . import finetune_fsdp
 from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
+from .finetune_metrics import FinetuneMetrics, PatchCounts, steady_step_times
 from .loading import load_model, looks_like_path
 from .norm_free import ORACLE_NOTE, norm_free
 from .presets import preset_names
@@ -57,9 +58,7 @@ class TrainResult:
 
     @property
     def tokens_per_s(self) -> float:
-        # The first step pays for one-off work (allocator warm-up, kernel compilation): leave it out when
-        # there is anything else to measure.
-        times = self.step_times_s[1:] or self.step_times_s
+        times = steady_step_times(self.step_times_s)
         return self.tokens_per_step * len(times) / sum(times)
 
 
@@ -81,7 +80,7 @@ def describe_run(config: FinetuneConfig, accelerator: Accelerator) -> str:
     )
 
 
-def finetune(config: FinetuneConfig) -> dict:
+def finetune(config: FinetuneConfig) -> FinetuneMetrics:
     """Runs one fine-tuning job on every process of the current launch; returns the metrics."""
     check_output_paths(config.output_dir, config.metrics_json, config.overwrite)
     documents = read_documents(corpus_files(config.data))
@@ -129,27 +128,27 @@ def finetune(config: FinetuneConfig) -> dict:
     final_loss = evaluate(model, sequences[:1].to(accelerator.device))
 
     base_model = save(accelerator, model, tokenizer, config)
-    metrics = {
-        "model": config.model,
-        "patched": report is not None,
-        "norm_free": config.norm_free,
-        "patch": None if report is None else patch_counts(report),
-        "lora": config.lora,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "mixed_precision": accelerator.mixed_precision,
-        "distributed_type": accelerator.distributed_type.value,
-        "num_processes": accelerator.num_processes,
-        "fsdp": finetune_fsdp.shard_sizes(accelerator, model) if config.fsdp else None,
-        "max_steps": config.max_steps,
-        "batch_size": config.batch_size,
-        "seq_len": config.seq_len,
-        "tokenizer": "byte-level" if tokenizer is None else type(tokenizer).__name__,
-        "losses": result.losses,
-        "final_loss": final_loss,
-        "step_times_s": result.step_times_s,
-        "tokens_per_s": result.tokens_per_s,
-        "peak_memory_bytes": result.peak_memory_bytes,
-    }
+    metrics = FinetuneMetrics(
+        model=config.model,
+        patched=report is not None,
+        norm_free=config.norm_free,
+        patch=None if report is None else patch_counts(report),
+        lora=config.lora,
+        gradient_checkpointing=config.gradient_checkpointing,
+        mixed_precision=accelerator.mixed_precision,
+        distributed_type=accelerator.distributed_type.value,
+        num_processes=accelerator.num_processes,
+        fsdp=finetune_fsdp.shard_sizes(accelerator, model) if config.fsdp else None,
+        max_steps=config.max_steps,
+        batch_size=config.batch_size,
+        seq_len=config.seq_len,
+        tokenizer="byte-level" if tokenizer is None else type(tokenizer).__name__,
+        losses=result.losses,
+        final_loss=final_loss,
+        step_times_s=result.step_times_s,
+        tokens_per_s=result.tokens_per_s,
+        peak_memory_bytes=result.peak_memory_bytes,
+    )
     if config.metrics_json is not None and accelerator.is_main_process:
         write_metrics(config.metrics_json, metrics)
     adapter = "" if base_model is None else f" (LoRA adapter on base model {base_model})"
@@ -389,9 +388,9 @@ def base_model_state_dict(peft_state_dict: dict[str, torch.Tensor]) -> dict[str,
     }
 
 
-def patch_counts(report: PatchReport) -> dict[str, int]:
+def patch_counts(report: PatchReport) -> PatchCounts:
     """How many norms were patched, residual adds fused and modules skipped, for the metrics."""
-    return {"norms": len(report.norms), "fused_adds": len(report.fused_adds), "skipped": len(report.skipped)}
+    return PatchCounts(norms=len(report.norms), fused_adds=len(report.fused_adds), skipped=len(report.skipped))
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
@@ -399,7 +398,7 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def write_metrics(path: Path, metrics: dict) -> None:
-    """Writes ``metrics`` as indented JSON, creating the parent directory."""
+def write_metrics(path: Path, metrics: FinetuneMetrics) -> None:
+    """Writes ``metrics`` as indented JSON (``FinetuneMetrics.to_dict``), creating the parent directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    path.write_text(json.dumps(metrics.to_dict(), indent=2) + "\n")

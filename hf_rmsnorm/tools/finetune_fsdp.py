@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .finetune_data import FinetuneInputError
+from .finetune_metrics import ShardSizes
 
 # accelerate's FSDP2 policy under --mixed_precision bf16 (parameters, gradient reductions and outputs in bf16),
 # mirrored on CPU; fp32 master weights stay sharded either way.
@@ -102,7 +103,7 @@ def check_sharded(model: nn.Module) -> None:
         raise RuntimeError(f"{len(missed)} decoder layer(s) ({missed[0]}) were not made FSDP units")
 
 
-def shard_sizes(accelerator: Accelerator, model: nn.Module) -> dict:
+def shard_sizes(accelerator: Accelerator, model: nn.Module) -> ShardSizes:
     """How the decoder parameters are spread: their total element count and the count each process holds.
 
     A collective (every process must call it). Sharded parameters are DTensors whose ``numel`` is the global
@@ -112,11 +113,11 @@ def shard_sizes(accelerator: Accelerator, model: nn.Module) -> dict:
     params = [p for layer in layers for p in layer.parameters()]
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
     per_process = accelerator.gather(torch.tensor([local], device=accelerator.device)).tolist()
-    return {
-        "decoder_layers": len(layers),
-        "decoder_params": sum(p.numel() for p in params),
-        "decoder_params_per_process": per_process,
-    }
+    return ShardSizes(
+        decoder_layers=len(layers),
+        decoder_params=sum(p.numel() for p in params),
+        decoder_params_per_process=per_process,
+    )
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

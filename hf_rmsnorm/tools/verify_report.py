@@ -1,8 +1,9 @@
 """The report of a ``verify`` run as typed records, and its JSON form (``scripts/verify.py --json``).
 
 ``verify.run`` returns a ``VerifyReport``, ``verify.render`` prints one, ``to_dict`` writes the JSON document
-and ``from_dict`` reads one back (the GPU suite's summary reads its ``verify.py`` runs so). Each record's field
-names are the document's keys, so the document's shape is written once: here.
+and ``from_dict`` reads one back (the GPU suite's summary reads its ``verify.py`` runs so); both come from
+``records.Record``. Each record's field names are the document's keys, so the document's shape is written once:
+here.
 
 The records hold plain data and import no torch, so the GPU suite's report (which runs without torch) reads
 them too; the modules that compute the figures (``parity``, ``norm_outputs``, ``speed``) fill them in.
@@ -10,60 +11,10 @@ them too; the modules that compute the figures (``parity``, ``norm_outputs``, ``
 
 from __future__ import annotations
 
-import types
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass
+from typing import ClassVar
 
-R = TypeVar("R", bound="Record")
-
-
-class Record:
-    """A part of the report: a dataclass whose JSON form is its fields (nested records as dicts, tuples as
-    lists) followed by the properties named in ``DERIVED``, verdicts computed from the fields, written for the
-    document's readers and recomputed, not read, by ``from_dict``."""
-
-    DERIVED: ClassVar[tuple[str, ...]] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON-ready dict of the record."""
-        return {**{f.name: _json_value(getattr(self, f.name)) for f in fields(self)},
-                **{name: getattr(self, name) for name in self.DERIVED}}
-
-    @classmethod
-    def from_dict(cls: type[R], data: Mapping[str, Any]) -> R:
-        """The record ``to_dict`` wrote (or the JSON parsed from it), with its nested records and tuples rebuilt.
-
-        Raises:
-            KeyError: ``data`` lacks one of the record's fields (it is not a document this version wrote).
-        """
-        hints = get_type_hints(cls)
-        return cls(**{f.name: _read(hints[f.name], data[f.name]) for f in fields(cls)})
-
-
-def _json_value(value: Any) -> Any:
-    if isinstance(value, Record):
-        return value.to_dict()
-    if isinstance(value, (list, tuple)):
-        return [_json_value(item) for item in value]
-    return value
-
-
-def _read(hint: Any, value: Any) -> Any:
-    """``value``, a JSON value, as the type ``hint`` of the field it fills."""
-    if value is None:
-        return None
-    if isinstance(hint, type) and issubclass(hint, Record):
-        return hint.from_dict(value)
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):  # X | None: None is handled above
-        (inner,) = (arg for arg in args if arg is not type(None))
-        return _read(inner, value)
-    if origin is list:
-        return [_read(args[0], item) for item in value]
-    if origin is tuple:
-        return tuple(_read(arg, item) for arg, item in zip(args, value))
-    return value
+from .records import Record
 
 
 @dataclass

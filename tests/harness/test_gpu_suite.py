@@ -7,11 +7,13 @@ import sys
 from dataclasses import replace
 
 import pytest
+from finetune_samples import sample_metrics
 from verify_samples import sample_report, speed_report
 from launching import SCRIPTS
 
 from harness import gpu_suite
 from harness.gpu_suite_report import Outcome, summary
+from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.verify_report import SpeedFigures
 
 SCRIPT = SCRIPTS / "gpu_suite.py"
@@ -31,7 +33,8 @@ def test_dry_run_runs_every_section_and_writes_the_files(tmp_path):
     assert "Parity: PASS" in (out / "summary.md").read_text()
     # The training oracle trained with its norms returning their input, and nothing patched.
     free = next(s for s in sections if s["name"] == "train-1b-norm-free")["data"]["train-1b-norm-free"]
-    assert free["norm_free"] and not free["patched"]
+    free = FinetuneMetrics.from_dict(free)
+    assert free.norm_free and not free.patched and free.patch is None
 
 
 def test_a_section_past_its_limit_is_stopped_and_reported(tmp_path):
@@ -60,19 +63,20 @@ def test_summary_reports_the_scripts_figures():
         speed=speed_report(SpeedFigures(1000.0, 80.0, 2**30), SpeedFigures(1100.0, 100.0, 2**30),
                            SpeedFigures(1250.0, 120.0, 2**30)),
     ).to_dict()
-    metrics = {"model": "m", "batch_size": 1, "seq_len": 2048, "mixed_precision": "bf16", "max_steps": 3,
-               "losses": [3.0, 2.0, 1.0], "tokens_per_s": 1000.0, "peak_memory_bytes": 2**31}
     outcomes = [
         Outcome("tests", "t", "ok", output="... 10 passed in 3.0s\n"),
         Outcome("kernels-bf16", "k", "ok", data={"kernels-bf16": _bench({"hf_rmsnorm": 35e-6, "hf_eager": 70e-6})},
                 output="launch cost, hidden 4096: empty Triton kernel 9.00 us\n  rows   1: hf_rmsnorm fwd 9.1 us\n"
                        "host us per decode call, 1 row, hidden 4096, by launch path: cached launcher 20.00\n"),
         Outcome("generate-1b", "g", "ok", data={"generate-1b": generate}),
-        Outcome("train-1b-patched", "p", "ok", data={"train-1b-patched": {**metrics, "step_times_s": [9, 0.5, 0.5]}}),
+        Outcome("train-1b-patched", "p", "ok",
+                data={"train-1b-patched": sample_metrics(step_times_s=[9.0, 0.5, 0.5]).to_dict()}),
         Outcome("train-1b-unpatched", "u", "ok",
-                data={"train-1b-unpatched": {**metrics, "step_times_s": [9, 0.6, 0.6]}}),
+                data={"train-1b-unpatched": sample_metrics(patched=False, patch=None,
+                                                           step_times_s=[9.0, 0.6, 0.6]).to_dict()}),
         Outcome("train-1b-norm-free", "f", "ok",
-                data={"train-1b-norm-free": {**metrics, "step_times_s": [9, 0.45, 0.45]}}),
+                data={"train-1b-norm-free": sample_metrics(patched=False, patch=None, norm_free=True,
+                                                           step_times_s=[9.0, 0.45, 0.45]).to_dict()}),
         Outcome("prefill-1b", "p", "timed out after 80 s"),
     ]
     text = summary(outcomes, toy=False)

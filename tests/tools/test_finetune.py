@@ -7,6 +7,7 @@ losses and final parameters. The LoRA save tests train for two steps in this pro
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from finetune_samples import sample_metrics
 from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, run_checked
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
@@ -22,11 +24,14 @@ from transformers import AutoModelForCausalLM, BertConfig, BertLMHeadModel, PreT
 from hf_rmsnorm import patch_model
 from hf_rmsnorm.tools.finetune import (
     BASE_MODEL_DIR,
+    TrainResult,
     add_lora,
     base_model_reference,
     check_output_paths,
     enable_gradient_checkpointing,
+    write_metrics,
 )
+from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics, PatchCounts, ShardSizes
 from hf_rmsnorm.tools.finetune_settings import DEFAULTS, with_device_defaults
 from hf_rmsnorm.tools.finetune_data import (
     ByteTokenizer,
@@ -252,19 +257,48 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, corpus, capsys
     assert not output_dir.exists() and not metrics.exists()
 
 
+# --- the metrics and their file -----------------------------------------------------------------------------
+
+
+def test_metrics_file_is_the_record_and_reads_back_whole(tmp_path):
+    """``write_metrics`` writes ``FinetuneMetrics.to_dict`` (the --metrics-json file: one key per field, in the
+    record's order) and ``from_dict`` reads it back, nested records included."""
+    metrics = sample_metrics(
+        distributed_type="FSDP", num_processes=2, patch=PatchCounts(norms=5, fused_adds=4, skipped=1),
+        fsdp=ShardSizes(decoder_layers=2, decoder_params=1000, decoder_params_per_process=[500, 500]),
+    )
+    path = tmp_path / "out" / "metrics.json"
+    write_metrics(path, metrics)
+    document = json.loads(path.read_text())
+    assert list(document) == [field.name for field in dataclasses.fields(FinetuneMetrics)]
+    assert document["fsdp"]["decoder_params_per_process"] == [500, 500] and document["patch"]["skipped"] == 1
+    assert FinetuneMetrics.from_dict(document) == metrics
+    unpatched = sample_metrics(patched=False, patch=None)
+    assert FinetuneMetrics.from_dict(json.loads(json.dumps(unpatched.to_dict()))) == unpatched
+
+
+def test_throughput_and_step_time_leave_the_first_step_out():
+    # The first step's 9 s of one-off work would swamp the steady steps' 0.5 to 0.7 s.
+    assert TrainResult(losses=[], step_times_s=[9.0, 0.5, 0.5], tokens_per_step=100).tokens_per_s == 200.0
+    assert sample_metrics(step_times_s=[9.0, 0.5, 0.7, 0.6]).median_step_s == 0.6
+    # A one-step run has only the first step to measure.
+    assert TrainResult(losses=[], step_times_s=[2.0], tokens_per_step=100).tokens_per_s == 50.0
+    assert sample_metrics(step_times_s=[2.0]).median_step_s == 2.0
+
+
 # --- training runs ----------------------------------------------------------------------------------------
 
 
-def _finetune(launcher: list[str], out: Path, extra: list[str]) -> tuple[dict, str]:
-    """Runs the script; returns its metrics and its stdout."""
+def _finetune(launcher: list[str], out: Path, extra: list[str]) -> tuple[FinetuneMetrics, str]:
+    """Runs the script; returns the metrics it wrote (read back from --metrics-json) and its stdout."""
     metrics = out.with_suffix(".json")
     proc = run_checked([*launcher, str(SCRIPT), "--output-dir", str(out), "--metrics-json", str(metrics), *extra], ROOT)
-    return json.loads(metrics.read_text()), proc.stdout
+    return FinetuneMetrics.from_dict(json.loads(metrics.read_text())), proc.stdout
 
 
-def _assert_same_losses(patched: dict, unpatched: dict, rtol: float = FP32_LOSS_RTOL) -> None:
-    assert len(patched["losses"]) == len(unpatched["losses"]) == int(RUN_ARGS[RUN_ARGS.index("--max-steps") + 1])
-    for step, (a, b) in enumerate(zip(patched["losses"], unpatched["losses"])):
+def _assert_same_losses(patched: FinetuneMetrics, unpatched: FinetuneMetrics, rtol: float = FP32_LOSS_RTOL) -> None:
+    assert len(patched.losses) == len(unpatched.losses) == int(RUN_ARGS[RUN_ARGS.index("--max-steps") + 1])
+    for step, (a, b) in enumerate(zip(patched.losses, unpatched.losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: patched {a} vs unpatched {b}"
 
 
@@ -299,10 +333,10 @@ def ddp_runs(tmp_path_factory, corpus):
 def test_ddp_patched_run_matches_unpatched(ddp_runs):
     out, (patched, stdout), (unpatched, _) = ddp_runs
     for metrics in (patched, unpatched):
-        assert metrics["num_processes"] == 2 and metrics["distributed_type"] == "MULTI_CPU"
-        assert metrics["tokens_per_s"] > 0 and metrics["peak_memory_bytes"] is None
-    assert patched["patched"] and patched["patch"]["norms"] > 0 and patched["patch"]["fused_adds"] > 0
-    assert unpatched["patch"] is None
+        assert metrics.num_processes == 2 and metrics.distributed_type == "MULTI_CPU"
+        assert metrics.tokens_per_s > 0 and metrics.peak_memory_bytes is None
+    assert patched.patched and patched.patch.norms > 0 and patched.patch.fused_adds > 0
+    assert unpatched.patch is None
     # The report and the notes come from the main process only; the first line says what the run costs.
     assert stdout.count("byte-level tokens") == 1
     assert stdout.splitlines()[0].startswith(
@@ -341,8 +375,8 @@ def test_lora_with_gradient_checkpointing_matches_unpatched(tmp_path, corpus):
     extra = ["--model", "tiny-qwen3", "--data", str(corpus), "--lora", "--gradient-checkpointing", *RUN_ARGS]
     patched, _ = _finetune([sys.executable], tmp_path / "patched", extra)
     unpatched, _ = _finetune([sys.executable], tmp_path / "unpatched", [*extra, "--no-patch"])
-    assert patched["num_processes"] == 1 and patched["lora"] and patched["gradient_checkpointing"]
-    assert patched["patch"]["norms"] > 0
+    assert patched.num_processes == 1 and patched.lora and patched.gradient_checkpointing
+    assert patched.patch.norms > 0
     _assert_same_losses(patched, unpatched)
     # The adapter the script started from: the same seed gives the same LoRA initialisation.
     initial = get_peft_model_state_dict(add_lora(build_preset("tiny-qwen3", seed=3), seed=3))
@@ -358,7 +392,7 @@ def test_bf16_autocast_matches_unpatched_within_bf16_noise(tmp_path, corpus):
     extra = ["--model", "tiny-mistral", "--data", str(corpus), *RUN_ARGS]
     patched, _ = _finetune(launcher, tmp_path / "patched", extra)
     unpatched, _ = _finetune(launcher, tmp_path / "unpatched", [*extra, "--no-patch"])
-    assert patched["mixed_precision"] == "bf16" and patched["patch"]["norms"] > 0
+    assert patched.mixed_precision == "bf16" and patched.patch.norms > 0
     _assert_same_losses(patched, unpatched, rtol=BF16_LOSS_RTOL)
 
 

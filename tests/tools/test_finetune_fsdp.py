@@ -33,6 +33,7 @@ from hf_rmsnorm import patch_model
 from hf_rmsnorm.tools.finetune import add_lora
 from hf_rmsnorm.patch.fused import original_class
 from hf_rmsnorm.tools.finetune_fsdp import accelerate_plugin, check_sharded, decoder_layers
+from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.presets import build_preset
 
 FSDP = ["--fsdp"]
@@ -118,7 +119,7 @@ def runs(tmp_path_factory, corpus):  # noqa: F811
     }
 
 
-def _assert_close_losses(a: dict, b: dict) -> None:
+def _assert_close_losses(a: FinetuneMetrics, b: FinetuneMetrics) -> None:
     _assert_same_losses(a, b, rtol=FSDP_LOSS_RTOL)
 
 
@@ -126,16 +127,16 @@ def _assert_close_losses(a: dict, b: dict) -> None:
 def test_each_process_holds_half_of_the_decoder(runs):
     _, metrics = runs
     for name in ("fsdp", "fsdp-unpatched"):
-        shards = metrics[name]["fsdp"]
-        assert shards["decoder_layers"] == 2 and shards["decoder_params"] > 0, name
-        assert shards["decoder_params_per_process"] == [shards["decoder_params"] // 2] * 2, name
-    assert metrics["ddp"]["fsdp"] is None
+        shards = metrics[name].fsdp
+        assert shards.decoder_layers == 2 and shards.decoder_params > 0, name
+        assert shards.decoder_params_per_process == [shards.decoder_params // 2] * 2, name
+    assert metrics["ddp"].fsdp is None
 
 
 @pytest.mark.slow
 def test_fsdp_trains_as_ddp_patched_or_not(runs):
     out, metrics = runs
-    assert metrics["fsdp"]["patch"]["norms"] > 0 and metrics["fsdp-unpatched"]["patch"] is None
+    assert metrics["fsdp"].patch.norms > 0 and metrics["fsdp-unpatched"].patch is None
     _assert_close_losses(metrics["fsdp"], metrics["fsdp-unpatched"])
     _assert_close_losses(metrics["fsdp"], metrics["ddp"])
     # The same updates as DDP, tensor by tensor: every norm weight gradient reached the optimizer.
@@ -172,7 +173,7 @@ def test_saved_checkpoint_is_the_trained_model_for_plain_transformers(runs, tmp_
     result = json.loads(run_checked([sys.executable, "-c", check], tmp_path).stdout.strip().splitlines()[-1])
     fsdp, ddp = result["fsdp"], result["ddp"]
     assert fsdp["architectures"] == ["LlamaForCausalLM"]  # not FSDPLlamaForCausalLM
-    assert fsdp["loss"] == pytest.approx(metrics["fsdp"]["final_loss"], rel=1e-6)
+    assert fsdp["loss"] == pytest.approx(metrics["fsdp"].final_loss, rel=1e-6)
     torch.testing.assert_close(torch.tensor(fsdp["logits"]), torch.tensor(ddp["logits"]), rtol=1e-4, atol=1e-4)
 
 
@@ -181,7 +182,7 @@ def test_fsdp_with_gradient_checkpointing_trains_the_same(runs, tmp_path, corpus
     _, metrics = runs
     extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS, *FSDP, "--gradient-checkpointing"]
     checkpointed, _ = _finetune(accelerate_ddp(), tmp_path / "out", extra)
-    assert checkpointed["gradient_checkpointing"] and checkpointed["fsdp"]["decoder_layers"] == 2
+    assert checkpointed.gradient_checkpointing and checkpointed.fsdp.decoder_layers == 2
     _assert_close_losses(checkpointed, metrics["fsdp"])
 
 
@@ -191,7 +192,7 @@ def test_fsdp_lora_matches_unpatched(tmp_path, corpus):  # noqa: F811
     extra = ["--model", "tiny-qwen3", "--data", str(corpus), "--lora", "--gradient-checkpointing", *RUN_ARGS, *FSDP]
     patched, _ = _finetune(accelerate_ddp(), tmp_path / "patched", extra)
     unpatched, _ = _finetune(accelerate_ddp(), tmp_path / "unpatched", [*extra, "--no-patch"])
-    assert patched["lora"] and patched["fsdp"]["decoder_params_per_process"][0] > 0
+    assert patched.lora and patched.fsdp.decoder_params_per_process[0] > 0
     _assert_close_losses(patched, unpatched)
     initial = get_peft_model_state_dict(add_lora(build_preset("tiny-qwen3", seed=3), seed=3))
     adapter = _assert_same_training(tmp_path / "patched", tmp_path / "unpatched", "adapter_model.safetensors", initial)
@@ -207,12 +208,12 @@ def test_fsdp_bf16_policy_matches_unpatched_within_bf16_noise(tmp_path, corpus):
     extra = ["--model", "tiny-mistral", "--data", str(corpus), *RUN_ARGS, *FSDP]
     patched, _ = _finetune(accelerate_ddp("bf16"), tmp_path / "patched", extra)
     unpatched, _ = _finetune(accelerate_ddp("bf16"), tmp_path / "unpatched", [*extra, "--no-patch"])
-    assert patched["mixed_precision"] == "bf16" and patched["patch"]["norms"] > 0
+    assert patched.mixed_precision == "bf16" and patched.patch.norms > 0
     _assert_same_losses(patched, unpatched, rtol=BF16_LOSS_RTOL)
     assert load_file(tmp_path / "patched" / "model.safetensors")["model.norm.weight"].dtype == torch.float32
 
 
-def _launch_machines(out: Path, extra: list[str], n_machines: int = 2) -> dict:
+def _launch_machines(out: Path, extra: list[str], n_machines: int = 2) -> FinetuneMetrics:
     """``n_machines`` launches of one process each on this host, as separate machines would run them; returns
     the metrics (written by machine 0's process)."""
     port = str(free_port())
@@ -230,7 +231,7 @@ def _launch_machines(out: Path, extra: list[str], n_machines: int = 2) -> dict:
     for rank, proc in enumerate(procs):
         output = proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
         assert proc.returncode == 0, f"machine {rank}:\n{output[-5000:]}"
-    return json.loads(out.with_suffix(".json").read_text())
+    return FinetuneMetrics.from_dict(json.loads(out.with_suffix(".json").read_text()))
 
 
 @pytest.mark.slow
@@ -238,6 +239,6 @@ def test_two_machines_of_one_process_train_as_one_machine_of_two(runs, tmp_path,
     _, metrics = runs
     extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS, *FSDP]
     two_machines = _launch_machines(tmp_path / "out", extra)
-    assert two_machines["num_processes"] == 2 and two_machines["fsdp"] == metrics["fsdp"]["fsdp"]
+    assert two_machines.num_processes == 2 and two_machines.fsdp == metrics["fsdp"].fsdp
     _assert_close_losses(two_machines, metrics["ddp"])
     _assert_close_losses(two_machines, metrics["fsdp"])
