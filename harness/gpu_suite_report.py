@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
-from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, gain_share
+from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, format_share, gain_share
 from hf_rmsnorm.tools.verify_report import VerifyReport
 
 @dataclass
@@ -82,10 +82,6 @@ def kernel_lines(name: str, bench: dict) -> list[str]:
     return lines
 
 
-def _share(share: float | None) -> str:
-    return "n/a" if share is None else f"{100 * share:.0f}%"
-
-
 def generate_lines(name: str, report: VerifyReport) -> list[str]:
     """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
     speed, settings = report.speed, report.settings
@@ -100,10 +96,10 @@ def generate_lines(name: str, report: VerifyReport) -> list[str]:
     rows = [
         ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.1f}", f"{patched.prefill_tokens_per_s:.1f}",
          f"{speed.prefill_speedup:.3f}x", f"{free.prefill_tokens_per_s:.1f}", f"{oracle.prefill_speedup:.3f}x",
-         _share(speed.prefill_gain_share)),
+         format_share(speed.prefill_gain_share)),
         ("decode tokens/s", f"{unpatched.decode_tokens_per_s:.1f}", f"{patched.decode_tokens_per_s:.1f}",
          f"{speed.decode_speedup:.3f}x", f"{free.decode_tokens_per_s:.1f}", f"{oracle.decode_speedup:.3f}x",
-         _share(speed.decode_gain_share)),
+         format_share(speed.decode_gain_share)),
         ("peak memory GiB beyond weights", f"{unpatched.peak_memory_bytes / 2**30:.2f}",
          f"{patched.peak_memory_bytes / 2**30:.2f}", "", f"{free.peak_memory_bytes / 2**30:.2f}", "", ""),
     ]
@@ -134,7 +130,7 @@ def train_lines(name: str, patched: FinetuneMetrics | None, unpatched: FinetuneM
     if patched and unpatched and free:
         share = gain_share(1 / unpatched.median_step_s, 1 / patched.median_step_s, 1 / free.median_step_s)
         lines += [f"Norm-free step speedup: {unpatched.median_step_s / free.median_step_s:.3f}x; the patch "
-                  f"delivers {'n/a' if share is None else f'{100 * share:.0f}%'} of that gain ({ORACLE_NOTE}).", ""]
+                  f"delivers {format_share(share)} of that gain ({ORACLE_NOTE}).", ""]
     return lines
 
 

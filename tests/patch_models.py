@@ -65,6 +65,17 @@ class Parity:
         assert (self.logits(self.model) - self.eager32).abs().max().item() == 0
 
 
+def assert_patch_keeps_greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> None:
+    """Greedy ``generate()`` (prefill and decode with the model's caches), then ``patch_model`` in place and the
+    same again: fp32 tokens identical."""
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        unpatched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+        patch_model(model)
+        patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+    assert torch.equal(patched, unpatched)
+
+
 def input_ids(batch: int = 2, seq: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 

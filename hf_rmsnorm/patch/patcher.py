@@ -285,8 +285,9 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
 
 
 def _plan_norms(root: nn.Module, reg, plan: _Plan):
-    """Goes through the classified walk: plans the norm swaps, reports every norm left alone, and returns the patched norms (module -> name), the decoder layers and the layer stacks of known or recognised
-    classes, and the other decoder layers (``recognition.py`` explains what is recognised)."""
+    """Goes through the classified walk: plans the norm swaps, reports every norm left alone, and returns the
+    patched norms (module -> name), the decoder layers and the layer stacks of known or recognised classes, and
+    the other decoder layers (``recognition.py`` explains what is recognised)."""
     norms: dict[nn.Module, str] = {}
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[str, nn.Module, StackKind]] = []

@@ -50,3 +50,8 @@ def gain_share(unpatched_rate: float, patched_rate: float, norm_free_rate: float
     if free >= unpatched:
         return None
     return (unpatched - patched) / (unpatched - free)
+
+
+def format_share(share: float | None) -> str:
+    """A ``gain_share`` as a whole percentage, or ``n/a`` where there was no gain to share."""
+    return "n/a" if share is None else f"{100 * share:.0f}%"

@@ -27,7 +27,7 @@ from ..patch import UnsupportedModelError, check_model, patch_model, unpatch_mod
 from . import parity, workload
 from .cli import InputError
 from .loading import DTYPES, load_model, parse_dtype, weights_source
-from .norm_free import ORACLE_NOTE, gain_share, norm_free
+from .norm_free import ORACLE_NOTE, format_share, gain_share, norm_free
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import ModelState, SpeedFigures, measure_states, speedups
 from .verify_report import (
@@ -89,10 +89,6 @@ def _count(n: int) -> str:
 def _compiled(settings: WorkloadSettings) -> str:
     mode = settings.compile
     return f" compiled (static cache, torch.compile mode {mode})" if mode else ""
-
-
-def _share(share: float | None) -> str:
-    return "n/a" if share is None else f"{100 * share:.0f}%"
 
 
 def render(report: VerifyReport) -> str:
@@ -168,10 +164,10 @@ def render(report: VerifyReport) -> str:
                 ("", "unpatched", "patched", "speedup", "norm-free", "share of its gain"),
                 ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.0f}",
                  f"{patched.prefill_tokens_per_s:.0f}", f"{speed.prefill_speedup:.3f}x",
-                 f"{free.prefill_tokens_per_s:.0f}", _share(speed.prefill_gain_share)),
+                 f"{free.prefill_tokens_per_s:.0f}", format_share(speed.prefill_gain_share)),
                 ("decode tokens/s", f"{unpatched.decode_tokens_per_s:.1f}",
                  f"{patched.decode_tokens_per_s:.1f}", f"{speed.decode_speedup:.3f}x",
-                 f"{free.decode_tokens_per_s:.1f}", _share(speed.decode_gain_share)),
+                 f"{free.decode_tokens_per_s:.1f}", format_share(speed.decode_gain_share)),
                 ("generate() peak memory GiB (beyond weights)", f"{unpatched.peak_memory_bytes / gib:.3f}",
                  f"{patched.peak_memory_bytes / gib:.3f}", "", f"{free.peak_memory_bytes / gib:.3f}", ""),
             ]),

@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from family_cases import CASES, DERIVED, names
 from harness import residual_census
-from patch_models import Parity
+from patch_models import Parity, assert_patch_keeps_greedy_tokens
 from hf_rmsnorm import check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import derived
 from hf_rmsnorm.patch.derived import AddSite
@@ -319,13 +319,7 @@ def test_derived_model_types_generate_with_their_caches(model_type):
     """Greedy generate(): the derived forward calls the mixers (attention, Mamba, short convolutions) as the
     original does, with their caches; fp32 tokens identical to the eager model's."""
     model = _build(model_type)
-    ids = _ids(model)
-    settings = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
-        patch_model(model)
-        patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
-    assert torch.equal(patched, eager)
+    assert_patch_keeps_greedy_tokens(model, _ids(model), new_tokens=5)
 
 
 @pytest.mark.parametrize("model_type", ["granitemoe", "jamba", "gemma4_text"])

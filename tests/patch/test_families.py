@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 from family_cases import CASES, RECOGNISED, names
-from patch_models import Parity, input_ids, tiny_model
+from patch_models import Parity, assert_patch_keeps_greedy_tokens, input_ids, tiny_model
 
 from hf_rmsnorm import patch_model
 
@@ -45,14 +45,7 @@ def test_recognised_families_patch_with_parity(model_type):
 def test_generation_with_a_cache_is_unchanged(model_type):
     """Greedy generate() with the KV (and, for hybrid layers, the linear-attention) cache: the fused layer bodies
     pass every argument on as the originals do, prefill and decode; fp32 tokens identical to the eager model's."""
-    model = tiny_model(model_type, **CASES[model_type].config)
-    ids = input_ids()
-    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        eager = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
-        patch_model(model)
-        patched = model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
-    assert torch.equal(patched, eager)
+    assert_patch_keeps_greedy_tokens(tiny_model(model_type, **CASES[model_type].config), input_ids(), new_tokens=6)
 
 
 @pytest.mark.parametrize("model_type", ["cohere", "cohere2"])
