@@ -88,14 +88,17 @@ class PrepareError(RuntimeError):
     """A wheel could not be fetched; the message is one line naming it and what to do."""
 
 
-def prepare(dest: Path = WHEEL_DIR, run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> list[str]:
+def prepare(dest: Path = WHEEL_DIR, run: Callable[..., subprocess.CompletedProcess] | None = None) -> list[str]:
     """Makes ``dest`` hold exactly the wheels of ``WHEELS``: downloads the missing ones and removes any other
     wheel (another version of a pinned one, or one no longer pinned: pip refuses two versions of one
     distribution). Idempotent: a complete folder is left as it is. Returns what it did, a line per wheel.
 
+    ``run`` runs pip (``subprocess.run`` unless given).
+
     Raises:
         PrepareError: pip could not download a wheel (no registry, or no build for the GPU image).
     """
+    run = run or subprocess.run
     dest.mkdir(parents=True, exist_ok=True)
     wanted = {(normalized(w.name), w.version): w for w in WHEELS}
     lines = []
