@@ -79,9 +79,9 @@ def download_argv(wheel: Wheel, dest: Path, python: str = sys.executable) -> lis
 
 def install_argv(wheel_dir: Path, target: Path, python: str = sys.executable) -> list[str]:
     """The offline install of every wheel in ``wheel_dir`` into ``target`` (not into the interpreter's own
-    packages); ``target`` then goes on ``PYTHONPATH``."""
+    packages); ``target`` then goes on ``PYTHONPATH``. Absolute paths: it runs from any folder."""
     return [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
-            "--upgrade", "--target", str(target), *map(str, sorted(wheel_dir.glob("*.whl")))]
+            "--upgrade", "--target", str(target.resolve()), *map(str, sorted(wheel_dir.resolve().glob("*.whl")))]
 
 
 class PrepareError(RuntimeError):
