@@ -1,4 +1,5 @@
-"""The files ``gpu_suite`` writes: a Markdown summary of the figures, the full results as JSON, the log and a plot.
+"""The files ``gpu_suite`` writes: a Markdown summary of the figures, the full results as JSON, the log, a plot,
+and the ledger's two data files brought up to date (``gpu_ledger``).
 
 Every figure in the summary is read from the JSON that the section's own script wrote (``bench_kernels.py``,
 ``verify.py``, ``finetune.py``), never recomputed here, so the summary says what the scripts measured.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,9 @@ from typing import Any
 from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, format_share, gain_share
 from hf_rmsnorm.tools.verify_report import VerifyReport
+
+from . import gpu_ledger
+
 
 @dataclass
 class Outcome:
@@ -28,9 +33,25 @@ class Outcome:
     command: str = ""
     data: dict[str, Any] = field(default_factory=dict)
     output: str = ""
+    limit_s: float = 0.0  # the time it was given (0: not run)
 
 
-KERNEL_BASELINES = ("hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm")
+@dataclass(frozen=True)
+class SuiteRun:
+    """What a suite run was asked to do (``gpu_suite.suite_run``), and the ledger it reports against."""
+
+    plans: tuple[str, ...]  # empty when the sections were picked by name (--only)
+    sections: tuple[str, ...]
+    toy: bool
+    time_limit_s: float
+    estimate_s: float  # the sections' time on ``costs["card"]``, the wheels' install included
+    costs: Mapping[str, Any]  # gpu_section_costs.json as committed
+    pending: tuple[gpu_ledger.PendingChange, ...]  # gpu_pending.json as committed
+    date: str  # UTC, YYYY-MM-DD
+
+
+# hf_rmsnorm_wide is the A/B's other side: the speedup over it is the single-tile backward's.
+KERNEL_BASELINES = ("hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm")
 # This package's implementations, each reported in rows of its own.
 OURS = ("hf_rmsnorm", "hf_layernorm")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
@@ -85,13 +106,17 @@ def kernel_lines(name: str, bench: dict) -> list[str]:
 def generate_lines(name: str, report: VerifyReport) -> list[str]:
     """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
     speed, settings = report.speed, report.settings
+    rounds = speed.rounds if speed else settings.repeats
     lines = [f"### {name}: {report.model} ({report.parameters / 1e9:.2f}B parameters, {report.dtype}, "
              f"batch {settings.batch_size}, prompt {settings.prompt_len}, {settings.max_new_tokens} new "
-             f"tokens, median of {settings.repeats}; {report.environment.device_name})", "",
+             f"tokens, median of {rounds}; {report.environment.device_name})", "",
              f"Parity: {'PASS' if report.passed else 'FAIL'}; {report.patch.norms} norms, "
              f"{report.patch.fused_adds} fused adds.", ""]
     if not speed:
-        return lines + ["No speed figures (no GPU).", ""]
+        stopped = "the run ended before its first timed round" if report.environment.device == "cuda" else "no GPU"
+        return lines + [f"No speed figures ({stopped}).", ""]
+    if speed.partial:
+        lines += [f"Partial: the run was stopped after {speed.rounds} of {settings.repeats} timed rounds.", ""]
     unpatched, patched, free, oracle = speed.unpatched, speed.patched, speed.norm_free, speed.norm_free_speedups
     rows = [
         ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.1f}", f"{patched.prefill_tokens_per_s:.1f}",
@@ -140,12 +165,42 @@ def _train_metrics(data: dict[str, dict], name: str) -> FinetuneMetrics | None:
     return FinetuneMetrics.from_dict(metrics) if metrics else None
 
 
-def summary(outcomes: list[Outcome], toy: bool) -> str:
+def completed(outcomes: list[Outcome], run: SuiteRun) -> set[str]:
+    """The sections (and wheels' install) this run completed on a GPU: none in a dry run, which measures nothing."""
+    return set() if run.toy else {o.name for o in outcomes if o.status == "ok"}
+
+
+def plan_line(run: SuiteRun) -> str:
+    """Which plan ran, what it was estimated to take and the time it was given."""
+    what = (f"Plan {', '.join(run.plans)}" if run.plans else "Sections picked by name (--only)")
+    return (f"{what}: {len(run.sections)} sections, estimated {run.estimate_s:.0f} s on an {run.costs['card']} "
+            f"(harness/gpu_section_costs.json); time limit {run.time_limit_s:.0f} s.")
+
+
+def pending_lines(outcomes: list[Outcome], run: SuiteRun) -> list[str]:
+    """The changes awaiting a GPU measurement that this run did not measure, each with how its sections went,
+    and those it measured."""
+    how = {o.name: f"{o.status}{', dry run' if run.toy else ''}" for o in outcomes}
+    pending = gpu_ledger.still_pending(run.pending, completed(outcomes, run))
+    lines = ["## Still awaiting a GPU measurement", ""]
+    lines += [f"- {c.change}: " + ", ".join(f"{s} {how.get(s, 'not in this run')}" for s in c.sections)
+              for c in pending]
+    lines += ["" if pending else "Nothing: every change of harness/gpu_pending.json was measured.", ""]
+    measured = [c for c in run.pending if c not in pending]
+    if measured:
+        lines += ["Measured by this run (gone from the gpu_pending.json written beside this summary):", ""]
+        lines += [f"- {c.change}" for c in measured] + [""]
+    return lines
+
+
+def summary(outcomes: list[Outcome], run: SuiteRun) -> str:
     """The Markdown summary of a suite run."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"# GPU suite, {when}{' (dry run: toy sizes, figures mean nothing)' if toy else ''}", ""]
+    lines = [f"# GPU suite, {when}{' (dry run: toy sizes, figures mean nothing)' if run.toy else ''}", "",
+             plan_line(run), ""]
     lines += _table(("section", "status", "seconds", "what"),
                     [(o.name, o.status, f"{o.seconds:.0f}", o.what) for o in outcomes])
+    lines += pending_lines(outcomes, run)
     data = {o.name: o.data for o in outcomes}
     outputs = {o.name: o.output for o in outcomes}
     tests = outputs.get("tests", "").strip().splitlines()
@@ -180,12 +235,33 @@ def write_plot(out: Path, outcomes: list[Outcome]) -> None:
         plot_results(list(results.values()), out / "kernels.png", copy)
 
 
-def write_files(out: Path, outcomes: list[Outcome], toy: bool) -> None:
-    """summary.md, results.json, log.txt, kernels.png and the JSON files of ``COMMITTED_SECTIONS`` in ``out``."""
-    (out / "summary.md").write_text(summary(outcomes, toy) + "\n")
+def card_of(outcomes: list[Outcome]) -> str:
+    """The GPU the sections ran on, as the first of their scripts to name it did ("unknown" if none did)."""
+    for o in outcomes:
+        for data in o.data.values():
+            name = data.get("device") or data.get("environment", {}).get("device_name")
+            if name:
+                return name
+    return "unknown"
+
+
+def ledger_files(outcomes: list[Outcome], run: SuiteRun) -> dict[str, dict]:
+    """gpu_pending.json less what this run measured, and gpu_section_costs.json with the times it measured (both
+    as committed after a dry run)."""
+    pending = gpu_ledger.still_pending(run.pending, completed(outcomes, run))
+    times = {} if run.toy else {o.name: (o.status, o.seconds, o.limit_s) for o in outcomes}
+    return {gpu_ledger.PENDING_PATH.name: gpu_ledger.pending_document(pending),
+            gpu_ledger.COSTS_PATH.name: gpu_ledger.measured_costs(run.costs, times, card_of(outcomes), run.date)}
+
+
+def write_files(out: Path, outcomes: list[Outcome], run: SuiteRun) -> None:
+    """summary.md, results.json, log.txt, kernels.png, the JSON files of ``COMMITTED_SECTIONS`` and the ledger's
+    files (``ledger_files``) in ``out``."""
+    (out / "summary.md").write_text(summary(outcomes, run) + "\n")
     (out / "results.json").write_text(json.dumps(
-        {"dry_run": toy, "sections": [{k: v for k, v in dataclasses.asdict(o).items() if k != "output"}
-                                      for o in outcomes]}, indent=1) + "\n")
+        {"dry_run": run.toy, "plans": list(run.plans),
+         "sections": [{k: v for k, v in dataclasses.asdict(o).items() if k != "output"} for o in outcomes]},
+        indent=1) + "\n")
     (out / "log.txt").write_text("".join(
         f"===== {o.name}: {o.status} in {o.seconds:.0f} s\n$ {o.command}\n{o.output}\n" for o in outcomes))
     write_plot(out, outcomes)
@@ -193,3 +269,5 @@ def write_files(out: Path, outcomes: list[Outcome], toy: bool) -> None:
         if o.name in COMMITTED_SECTIONS:
             for name, data in o.data.items():
                 (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
+    for name, document in ledger_files(outcomes, run).items():
+        (out / name).write_text(json.dumps(document, indent=1) + "\n")

@@ -4,6 +4,9 @@ Face model could use, and reports each time as achieved bandwidth and as a fract
 Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` and returning ``(y, s)``:
 
 * ``hf_rmsnorm``: this package's ``fused_add_rms_norm``.
+* ``hf_rmsnorm_wide``: the same with its backward on the wide path (``row_dot_kernel``, then
+  ``column_bwd_kernel``) at every width (``wide_backward``): the A/B of the single-tile backward (the GPU suite's
+  ``kernels-bwd-ab`` section, at 16384). Its forward is ``hf_rmsnorm``'s.
 * ``hf_eager``: transformers' ``LlamaRMSNorm`` module after a separate add (what an unpatched model runs).
 * ``torch_rms_norm``: ``torch.nn.functional.rms_norm`` after a separate add.
 * ``torch_compile``: ``torch.compile`` of the ``hf_eager`` function, add included (recompiled per shape).
@@ -50,21 +53,24 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
 import torch
 
 PHASES = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("hf_rmsnorm", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm", "torch_layer_norm")
+IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm", "torch_layer_norm")
 DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
-DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 65536)
+DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 EPS = 1e-6
 # The flush buffer is at least this big even if the card does not report its L2 size (covers B200's 126 MB x2).
@@ -233,11 +239,50 @@ def measure_copy_gbps(device: torch.device, clock: Clock, flush: Callable[[], An
 
 
 @dataclass
+class PlanOverride:
+    """How many backward plans an override answered while it was in force."""
+
+    answered: int = 0
+
+
+@dataclass
 class Impl:
-    """``forward(x, residual) -> (y, residual + x)`` and the weight it differentiates."""
+    """``forward(x, residual) -> (y, residual + x)``, the weight it differentiates, and what is in force while it
+    is timed (``wide_backward`` for ``hf_rmsnorm_wide``)."""
 
     forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     weight: torch.Tensor
+    context: Callable[[], contextlib.AbstractContextManager[PlanOverride | None]] = contextlib.nullcontext
+
+
+# Wider than any single tile of any dtype: the backward plan of such rows is the wide kernels' plan, which is
+# the same for every width beyond the widest single tile (launch.backward_plan).
+WIDER_THAN_ANY_TILE = 1 << 20
+OVERRIDE_UNUSED = ("error: the wide-backward override was never asked for a plan (kernel_bench.wide_backward "
+                   "must follow launch.py)")
+
+
+@contextlib.contextmanager
+def wide_backward() -> Iterator[PlanOverride]:
+    """Within the block, this package's backward takes the wide kernels at every width: ``launch.backward_plan``
+    answers every width with the plan of rows wider than any single tile. A harness override for the A/B of the
+    single-tile backward, not a setting of the package; it yields a count of the plans it answered, so a run can
+    tell that the override reached the launches (``bench_impl`` checks it)."""
+    from hf_rmsnorm.ops import launch
+
+    planned = launch.backward_plan
+    override = PlanOverride()
+
+    def wide_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> launch.TilingPlan:
+        plan = planned(WIDER_THAN_ANY_TILE, elem_bytes, arch)
+        if plan.single_tile:
+            raise RuntimeError(f"launch.backward_plan tiles rows of {WIDER_THAN_ANY_TILE} elements as one: "
+                               "kernel_bench.wide_backward must follow launch.py")
+        override.answered += 1
+        return plan
+
+    with mock.patch.object(launch, "backward_plan", wide_plan):
+        yield override
 
 
 def _hf_module(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -259,11 +304,12 @@ def _eager_add_norm(norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
 def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> Impl:
     """A fresh implementation for one shape (fresh so torch.compile specialises on it without hitting its
     recompilation limit). Weights are in the activations' dtype, as in a model loaded in that dtype."""
-    if name == "hf_rmsnorm":
+    if name in ("hf_rmsnorm", "hf_rmsnorm_wide"):
         from hf_rmsnorm.ops import fused_add_rms_norm
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), weight)
+        context = wide_backward if name == "hf_rmsnorm_wide" else contextlib.nullcontext
+        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), weight, context)
     if name == "hf_eager":
         module = _hf_module(hidden, dtype, device)
         return Impl(_eager_add_norm(module), module.weight)
@@ -395,7 +441,14 @@ def bench_impl(name: str, phases: list[str], inputs: dict[str, torch.Tensor], se
         impl = build_impl(name, hidden, inputs["x"].dtype, settings.device)
     except Exception as exc:  # e.g. a Liger release without the fused add: report it, go on
         return [Result(name, p, rows, hidden, settings.dtype_name, failure_status(exc)) for p in phases]
-    return [time_phase(name, impl, phase, inputs, settings) for phase in phases]
+    results = []
+    for phase in phases:
+        with impl.context() as override:
+            result = time_phase(name, impl, phase, inputs, settings)
+        if override is not None and phase != "fwd" and not override.answered:
+            result = Result(name, phase, rows, hidden, settings.dtype_name, OVERRIDE_UNUSED)
+        results.append(result)
+    return results
 
 
 def bench_shape(rows: int, hidden: int, impls: list[str], phases: list[str], settings: Settings) -> list[Result]:

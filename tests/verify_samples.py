@@ -32,7 +32,7 @@ def identical_parity() -> ParityReport:
 
 
 def speed_report(unpatched: SpeedFigures, patched: SpeedFigures, norm_free: SpeedFigures) -> SpeedReport:
-    return _speed_report({"unpatched": unpatched, "patched": patched, "norm_free": norm_free})
+    return _speed_report({"unpatched": unpatched, "patched": patched, "norm_free": norm_free}, rounds=2)
 
 
 def sample_report(**changes) -> VerifyReport:

@@ -127,7 +127,6 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
     result = train(accelerator, model, optimizer, dataloader, config.max_steps, tokens_per_step)
     final_loss = evaluate(model, sequences[:1].to(accelerator.device))
 
-    base_model = save(accelerator, model, tokenizer, config)
     metrics = FinetuneMetrics(
         model=config.model,
         patched=report is not None,
@@ -149,8 +148,11 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
         tokens_per_s=result.tokens_per_s,
         peak_memory_bytes=result.peak_memory_bytes,
     )
+    # Written before the save, which measures nothing (and writes the full model: seconds at the 1B shape), so a
+    # run stopped by a time limit while saving (the GPU suite's training sections) still leaves its figures.
     if config.metrics_json is not None and accelerator.is_main_process:
         write_metrics(config.metrics_json, metrics)
+    base_model = save(accelerator, model, tokenizer, config)
     adapter = "" if base_model is None else f" (LoRA adapter on base model {base_model})"
     accelerator.print(f"saved to {config.output_dir}{adapter}; {result.tokens_per_s:.0f} tokens/s")
     # Teardown in order, every process together: first the model, optimizer and dataloader (and their reference

@@ -81,7 +81,7 @@ def _timed_generate(model: PreTrainedModel, prompts: Prompts, new_tokens: int, p
 
 def measure_states(
     model: PreTrainedModel, states: list[ModelState], prompts: Prompts, new_tokens: int, repeats: int, pad_id: int,
-    *, compile_on: str | None = None,
+    *, compile_on: str | None = None, on_round: Callable[[dict[str, SpeedFigures], int], object] | None = None,
 ) -> dict[str, SpeedFigures]:
     """Times greedy ``generate()`` of ``new_tokens`` tokens on a CUDA model in each of ``states``, interleaved
     (see module docstring): a warm-up run per state, then ``repeats`` rounds of one timed run per state.
@@ -95,6 +95,8 @@ def measure_states(
         pad_id: pad token for ``generate``.
         compile_on: ``"cuda"`` for transformers' compiled generation (``workload.generation_config``); each
             state's warm-up run compiles and captures.
+        on_round: called after every timed round with the figures of the rounds so far and their count, so a
+            run stopped early still leaves what it measured (``verify`` writes its JSON there).
 
     Returns:
         Per state name: prefill tokens/s (``batch * prompt_len`` per prefill), decode tokens/s (``batch`` per
@@ -121,12 +123,20 @@ def measure_states(
                     peaks[state.name] = max(peaks[state.name], torch.cuda.max_memory_allocated(device) - held_before)
             finally:
                 state.leave()
+        if round_index and on_round is not None:
+            on_round(_figures(times, peaks, batch * prompt_len, batch * (new_tokens - 1)), round_index)
+    return _figures(times, peaks, batch * prompt_len, batch * (new_tokens - 1))
+
+
+def _figures(times: dict[str, list[tuple[float, float]]], peaks: dict[str, int], prefill_tokens: int,
+             decode_tokens: int) -> dict[str, SpeedFigures]:
+    """Each state's figures from its timed runs' (prefill, decode) seconds: medians as throughputs."""
     figures = {}
     for name, runs in times.items():
         prefill_s, decode_s = zip(*runs)
         figures[name] = SpeedFigures(
-            prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s),
-            decode_tokens_per_s=batch * (new_tokens - 1) / statistics.median(decode_s),
+            prefill_tokens_per_s=prefill_tokens / statistics.median(prefill_s),
+            decode_tokens_per_s=decode_tokens / statistics.median(decode_s),
             peak_memory_bytes=peaks[name],
         )
     return figures

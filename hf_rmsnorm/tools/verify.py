@@ -3,18 +3,23 @@ fast, on a GPU.
 
 The model is refused at once if the patcher cannot patch it. Then the unpatched model runs (recording every
 norm's input and output), then the same weights upcast in place (the reference), then the patched model: no
-second copy of the model is ever held. ``run`` returns the report (a ``verify_report.VerifyReport``, whose
-``to_dict`` is the JSON document) and ``render`` prints it; the verdict rule is ``verify_settings.VERDICT_RULE``.
+second copy of the model is ever held. On a GPU the three states (unpatched, patched, norm-free) are timed last,
+interleaved. ``run`` returns the report (a ``verify_report.VerifyReport``, whose ``to_dict`` is the JSON document)
+and ``render`` prints it; the verdict rule is ``verify_settings.VERDICT_RULE``. With ``--json`` the document is
+also written before the timing and after every timed round, so a run stopped there leaves what it measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import os
 import platform
 import sys
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import transformers
@@ -223,8 +228,9 @@ def _timed_states(model: torch.nn.Module, norm_names: list[str]) -> list[ModelSt
     ]
 
 
-def _speed_report(figures: dict[str, SpeedFigures]) -> SpeedReport:
-    """The ``speed`` part of the report, from each timed state's figures (``_timed_states`` names them)."""
+def _speed_report(figures: dict[str, SpeedFigures], rounds: int, partial: bool = False) -> SpeedReport:
+    """The ``speed`` part of the report, from each timed state's figures (``_timed_states`` names them), the
+    medians of ``rounds`` timed rounds; ``partial`` while more rounds are to come."""
     unpatched, patched, free = figures["unpatched"], figures["patched"], figures["norm_free"]
     patched_speedups = speedups(unpatched, patched)
     return SpeedReport(
@@ -239,11 +245,18 @@ def _speed_report(figures: dict[str, SpeedFigures]) -> SpeedReport:
         decode_gain_share=gain_share(unpatched.decode_tokens_per_s, patched.decode_tokens_per_s,
                                      free.decode_tokens_per_s),
         norm_free_note=ORACLE_NOTE,
+        rounds=rounds,
+        partial=partial,
     )
 
 
-def run(config: VerifyConfig, device: torch.device) -> VerifyReport:
+def run(config: VerifyConfig, device: torch.device,
+        on_report: Callable[[VerifyReport], object] | None = None) -> VerifyReport:
     """Loads, checks, runs, patches and compares; returns the report.
+
+    On a GPU, ``on_report`` (if given) is called with the report as it stands before the timing starts (no
+    speed) and after every timed round (the figures so far, ``speed.partial``), so a run stopped while timing
+    still leaves its parity and what it measured (``verify`` writes each to ``--json``).
 
     Raises:
         InputError: the model cannot be loaded or patched; the message says what to pass instead.
@@ -297,13 +310,6 @@ def run(config: VerifyConfig, device: torch.device) -> VerifyReport:
         norm_agreement = compare_norm_outputs(model, norm_calls)
     del norm_calls
     patched_generation = generation(f"patched model{kernels}")
-    speed = None
-    if on_gpu:
-        with step(f"timing generate(){compiled}: unpatched, patched and norm-free interleaved, {config.repeats} "
-                  "rounds"):
-            figures = measure_states(model, _timed_states(model, planned.norms), speed_prompts, new_tokens,
-                                     config.repeats, pad_id, compile_on=compile_on)
-        speed = _speed_report(figures)
 
     result = parity.compare(
         eager_logits, patched_logits, reference_logits, dtype, eager_generation, patched_generation
@@ -319,7 +325,7 @@ def run(config: VerifyConfig, device: torch.device) -> VerifyReport:
                 questions, _texts(tokenizer, eager_generation, eos_id), _texts(tokenizer, patched_generation, eos_id)
             )
         ]
-    return VerifyReport(
+    report = VerifyReport(
         passed=result.passed and failure is None,
         failure=failure,
         model=config.model,
@@ -350,16 +356,39 @@ def run(config: VerifyConfig, device: torch.device) -> VerifyReport:
         norm_outputs=norm_agreement,
         generations=generations,
         rule=VERDICT_RULE,
-        speed=speed,
+        speed=None,
     )
+    if not on_gpu:
+        return report
+    if on_report is not None:
+        on_report(report)
+
+    def timed_round(figures: dict[str, SpeedFigures], rounds: int) -> None:
+        on_report(dataclasses.replace(report, speed=_speed_report(figures, rounds, partial=True)))
+
+    with step(f"timing generate(){compiled}: unpatched, patched and norm-free interleaved, {config.repeats} "
+              "rounds"):
+        figures = measure_states(model, _timed_states(model, planned.norms), speed_prompts, new_tokens,
+                                 config.repeats, pad_id, compile_on=compile_on,
+                                 on_round=None if on_report is None else timed_round)
+    return dataclasses.replace(report, speed=_speed_report(figures, config.repeats))
+
+
+def write_json(report: VerifyReport, path: Path) -> None:
+    """Writes ``report``'s JSON document to ``path`` whole or not at all (a temporary file renamed over it), so a
+    run stopped while writing leaves the previous document, never half of one."""
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    os.replace(temporary, path)
 
 
 def verify(config: VerifyConfig, device: torch.device) -> VerifyReport:
-    """``run``, then the report printed on stdout (and written as JSON to ``config.json``); returns it."""
-    report = run(config, device)
+    """``run``, then the report printed on stdout; returns it. With ``config.json`` the report is written there as
+    JSON, also as it stands before the timing and after every timed round (``run``'s ``on_report``)."""
+    path = None if config.json is None else config.json.expanduser().absolute()
+    report = run(config, device, None if path is None else lambda partial: write_json(partial, path))
     print(render(report))
-    if config.json is not None:
-        path = config.json.expanduser().absolute()
-        path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if path is not None:
+        write_json(report, path)
         print(f"Report written as JSON to {path}")
     return report

@@ -172,6 +172,10 @@ class SpeedReport(Record):
     prefill_gain_share: float | None
     decode_gain_share: float | None
     norm_free_note: str  # what the norm-free model is (``norm_free.ORACLE_NOTE``)
+    rounds: int  # the timed rounds the medians are of
+    # True in the JSON written after each round while the states are still being timed (``scripts/verify.py
+    # --json``): a run stopped then leaves the figures of the rounds it finished, marked so.
+    partial: bool
 
 
 @dataclass

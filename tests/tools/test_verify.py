@@ -193,6 +193,7 @@ def test_cli_measures_speed_on_gpu(tmp_path):
         assert speed[model]["prefill_tokens_per_s"] > 0 and speed[model]["decode_tokens_per_s"] > 0
         assert speed[model]["peak_memory_bytes"] > 0
     assert speed["prefill_speedup"] > 0 and speed["decode_speedup"] > 0
+    assert speed["rounds"] == 2 and speed["partial"] is False
 
 
 # --- presets and loading ----------------------------------------------------------------------------------
@@ -369,15 +370,20 @@ def test_speed_figures_and_report(monkeypatch):
     states = [ModelState(name, lambda name=name: events.append(f"enter {name}"),
                          lambda name=name: events.append(f"leave {name}"))
               for name in ("unpatched", "patched", "norm_free")]
-    timed = measure_states(model, states, prompts, new_tokens=3, repeats=2, pad_id=0)
+    rounds = []
+    timed = measure_states(model, states, prompts, new_tokens=3, repeats=2, pad_id=0,
+                           on_round=lambda figures, done: rounds.append((sorted(figures), done, len(events))))
     # Interleaved: every round (a warm-up and two timed) runs each state once, in turn, and leaves it.
     assert events == [f"{verb} {name}" for _ in range(3) for name in ("unpatched", "patched", "norm_free")
                       for verb in ("enter", "leave")]
+    # The figures so far after each timed round (not the warm-up), every state's: what a run stopped early keeps.
+    assert rounds == [(["norm_free", "patched", "unpatched"], 1, 12), (["norm_free", "patched", "unpatched"], 2, 18)]
     figures = timed["patched"]
     assert figures.prefill_tokens_per_s > 0 and figures.decode_tokens_per_s > 0
     assert figures.peak_memory_bytes == 100  # beyond what was allocated before the runs
-    speed = _speed_report({name: figures for name in ("unpatched", "patched", "norm_free")})
+    speed = _speed_report({name: figures for name in ("unpatched", "patched", "norm_free")}, rounds=2)
     assert speed.decode_speedup == 1.0 and speed.decode_gain_share is None  # no gain to share
+    assert speed.rounds == 2 and not speed.partial
 
     reference = _logits()
     eager, patched = _diverging_generations(unpatched_gap=0.05)
@@ -416,6 +422,24 @@ def test_the_report_reads_back_from_its_json_document():
     # 100 / 80 tokens/s patched, 120 / 80 norm-free.
     assert document["speed"]["decode_speedup"] == 1.25 == report.speed.decode_speedup
     assert document["speed"]["norm_free_speedups"]["decode_speedup"] == 1.5
+
+
+def test_a_partial_report_says_how_many_rounds_it_holds_and_is_written_whole(tmp_path):
+    """The document written after a timed round (``verify.run``'s ``on_report``) says it is partial and how many
+    rounds its medians are of; a write replaces the previous document at once, never leaving half of one."""
+    from hf_rmsnorm.tools.verify import write_json
+    from hf_rmsnorm.tools.verify_report import VerifyReport
+
+    complete = sample_report()
+    partial = replace(complete, speed=replace(complete.speed, rounds=1, partial=True))
+    path = tmp_path / "report.json"
+    write_json(partial, path)
+    document = json.loads(path.read_text())
+    assert document["speed"]["partial"] is True and document["speed"]["rounds"] == 1
+    assert VerifyReport.from_dict(document) == partial
+    write_json(complete, path)
+    assert json.loads(path.read_text())["speed"]["partial"] is False
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left behind
 
 
 def test_norm_free_oracle_times_a_model_without_norms_and_restores_it():
