@@ -33,6 +33,7 @@ shards.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -43,8 +44,9 @@ from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .dtensor import call_on_local_shards, holds_dtensor
-from .launch import is_traced, norm_backward, norm_forward
+from .launch import ForwardLaunch, forward_launch, is_traced, norm_backward, norm_forward
 from .modes import dtype_of, get_mode, sum_dtype
+from .tuning import device_arch, reads_tuned_plans
 
 
 def _forward(x, residual, weight, bias, eps, mode, store_stats=True):
@@ -105,12 +107,18 @@ def _(x, residual, weight, bias, eps, mode):
     return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
-def _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=True):
-    """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
-    then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
-    check_forward(x, residual, weight, bias, eps, mode)  # the residual's shape too: the add must not broadcast
+def _adds_in_kernel(x, residual, weight, bias, mode) -> bool:
+    """Whether ``norm_add`` adds in the norm's kernel: where the norm's output has the residual's dtype (the add
+    then rounds in that dtype, as torch's does) and the kernels run."""
     same_dtype = get_mode(mode).output_dtype_of(x.dtype, dtype_of(weight), dtype_of(bias)) == residual.dtype
-    if same_dtype and runs_kernels(x, residual, weight, bias):
+    return same_dtype and runs_kernels(x, residual, weight, bias)
+
+
+def _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=True):
+    """``(residual + norm(x), stats)``: one kernel where ``_adds_in_kernel``, else the norm's kernel and torch's
+    add."""
+    check_forward(x, residual, weight, bias, eps, mode)  # the residual's shape too: the add must not broadcast
+    if _adds_in_kernel(x, residual, weight, bias, mode):
         out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
                                      store_stats=store_stats)
         return out, stats
@@ -383,6 +391,122 @@ def norm_add(
     if _needs_autograd(x, residual, weight, bias):
         return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
     return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
+
+
+class BoundNorm:
+    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode, for a caller that makes the same calls over and
+    over: a patched norm module (``patch/fused.py``), whose decode calls are bound by host time. Same results and
+    same errors as those functions, with the launch bound once per combination of what decides it.
+
+    An eager call that records no gradient, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the
+    kernel's plan, flags and launch) under a key of everything the argument checks read except what varies from
+    call to call: the op; ``x``'s dtype, device and last dimension; the residual's dtype and device; the weight's
+    and the bias's dtype, device and shape. A key is stored only after the function it stands for ran on such
+    arguments, so it passed ``checks.check_forward`` (which reads nothing else of them) and took the kernels: a key
+    found proves every dtype loadable, every tensor on ``x``'s device, the weight and bias of ``x``'s width. Each
+    call still checks what the key leaves out: the residual's whole shape (it must be ``x``'s, whose rows vary) and
+    ``eps`` (the caller reads it per call); the launch itself reads the strides, row count and alignment.
+
+    Anything else runs the function itself, which checks, raises its one-line errors and computes as it always
+    did: while torch.compile traces, where autograd records, tensor subclasses (DTensor, fake tensors), a key not
+    seen yet (which the call then stores), a combination the kernels do not run (fp64, the CPU without the
+    interpreter: stored as None), a call that fails a per-call check.
+
+    The cache is a pure function of its keys, whatever ran before: the binding depends on nothing else but the
+    tuned-plan table in use, and is emptied when that changes (``tuning.plans_in_use``). Tensors are never cached:
+    the caller reads the weight and eps on every call (they may be replaced or edited between calls).
+    """
+
+    def __init__(self, mode: str) -> None:
+        get_mode(mode)  # a clear error for an unknown mode, once
+        self.mode = mode
+        # One cache per op: binding key -> ForwardLaunch, or None where the function itself runs.
+        self._norm = reads_tuned_plans(_LaunchCache())
+        self._fused_add_norm = reads_tuned_plans(_LaunchCache())
+        self._norm_add = reads_tuned_plans(_LaunchCache())
+
+    def norm(self, x: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None) -> Tensor:
+        """``norm(x, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, None, weight, bias)
+        launch = None if key is None else self._norm.get(key)
+        if launch is not None and 0.0 <= (eps := float(eps)) < math.inf:
+            return launch(x, None, weight, bias, eps)[0]
+        y = norm(x, weight, eps, bias=bias, mode=self.mode)
+        if key is not None and key not in self._norm:
+            self._norm[key] = self._bind(x, None, weight, bias, add_after=False)
+        return y
+
+    def fused_add_norm(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                       bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``fused_add_norm(x, residual, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, residual, weight, bias)
+        launch = None if key is None else self._fused_add_norm.get(key)
+        if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
+            y, new_residual, _ = launch(x, residual, weight, bias, eps)
+            return y, new_residual
+        out = fused_add_norm(x, residual, weight, eps, bias=bias, mode=self.mode)
+        if key is not None and key not in self._fused_add_norm:
+            self._fused_add_norm[key] = self._bind(x, residual, weight, bias, add_after=False)
+        return out
+
+    def norm_add(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                 bias: Tensor | None) -> Tensor:
+        """``norm_add(x, residual, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, residual, weight, bias)
+        launch = None if key is None else self._norm_add.get(key)
+        if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
+            return launch(x, None, weight, bias, eps, residual)[0]
+        out = norm_add(x, residual, weight, eps, bias=bias, mode=self.mode)
+        if key is not None and key not in self._norm_add:
+            self._norm_add[key] = self._bind(x, residual, weight, bias, add_after=True)
+        return out
+
+    def _bind(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+              add_after: bool) -> ForwardLaunch | None:
+        """The binding of a call of the function itself that returned (so its arguments passed the checks): the
+        ``ForwardLaunch`` it launched (``residual`` added after the norm where ``add_after``: ``norm_add``), or
+        None where it ran anything else (``runs_kernels``, ``_adds_in_kernel``)."""
+        if add_after:
+            kernel_runs, residual_dtype = _adds_in_kernel(x, residual, weight, bias, self.mode), None
+        else:
+            kernel_runs, residual_dtype = runs_kernels(x, residual, weight, bias), dtype_of(residual)
+        if not kernel_runs:
+            return None
+        return forward_launch(x.dtype, residual_dtype, dtype_of(weight), dtype_of(bias), int(x.shape[-1]), self.mode,
+                              add_after, False, device_arch(x.get_device()))
+
+
+class _LaunchCache(dict[tuple, ForwardLaunch | None]):
+    """A ``BoundNorm``'s cache: binding key -> ``ForwardLaunch``, or None where the function itself runs. Emptied
+    with the plan caches when the tuned-plan table in use changes (``tuning.reads_tuned_plans``)."""
+
+    cache_clear = dict.clear
+
+
+# Types of the tensors a bound call takes (None: an absent optional one); other types are subclasses with their own
+# dispatch (DTensor, fake and functional tensors), which the functions themselves handle.
+_BINDABLE_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
+
+
+def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> tuple | None:
+    """The key of ``BoundNorm``'s caches for a call on these arguments: what ``checks.check_forward`` reads of them
+    but the residual's shape; None for a call the function itself must run (while torch.compile traces, where
+    autograd records, tensor subclasses, a 0-dimensional ``x``)."""
+    if (
+        torch.compiler.is_compiling() or torch.is_grad_enabled() or type(x) is not Tensor
+        or type(residual) not in _BINDABLE_TYPES or type(weight) not in _BINDABLE_TYPES
+        or type(bias) not in _BINDABLE_TYPES
+    ):
+        return None
+    shape = x.shape
+    if not shape:
+        return None
+    return (
+        x.dtype, x.device, shape[-1],
+        None if residual is None else (residual.dtype, residual.device),
+        None if weight is None else (weight.dtype, weight.device, weight.shape),
+        None if bias is None else (bias.dtype, bias.device, bias.shape),
+    )
 
 
 def rms_norm(
