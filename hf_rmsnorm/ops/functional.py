@@ -45,7 +45,7 @@ from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .dtensor import call_on_local_shards, holds_dtensor
 from .launch import ForwardLaunch, forward_launch, is_traced, norm_backward, norm_forward
-from .modes import dtype_of, get_mode, sum_dtype
+from .modes import MODES, dtype_of, get_mode, sum_dtype
 from .tuning import device_arch, reads_tuned_plans
 
 
@@ -338,19 +338,11 @@ def _warn_layer_norm_mode(called: str, replacement: str) -> None:
 
 def norm(x: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str) -> Tensor:
     """The norm of any mode in ``MODES``, and never a warning: what ``rms_norm`` and ``layer_norm`` run, and the
-    entry of the package's own callers that read the mode from data (patched modules, ``patch/fused.py``).
+    entry of the package's own callers that read the mode from data.
 
     Args, Returns and Raises: as ``rms_norm``; ``mode`` may be ``"layernorm"`` (``layer_norm``).
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, weight, bias):
-        return _on_local_shards(rms_norm, layer_norm, mode, x=x, weight=weight, eps=eps, bias=bias)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        return _traced_ops(x).norm(x, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, weight, bias):
-        return _NormFunction.apply(x, weight, bias, eps, mode)[0]
-    return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
+    return bound_norm(mode).norm(x, weight, eps, bias)
 
 
 def fused_add_norm(
@@ -360,18 +352,7 @@ def fused_add_norm(
 
     Returns and Raises: as ``fused_add_rms_norm``.
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, residual, weight, bias):
-        return _on_local_shards(fused_add_rms_norm, fused_add_layer_norm, mode, x=x, residual=residual,
-                                weight=weight, eps=eps, bias=bias)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        y, new_residual, _ = _traced_ops(x).add_norm(x, residual, weight, bias, eps, mode)
-    elif _needs_autograd(x, residual, weight, bias):
-        y, new_residual, _ = _AddNormFunction.apply(x, residual, weight, bias, eps, mode)
-    else:
-        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
-    return y, new_residual
+    return bound_norm(mode).fused_add_norm(x, residual, weight, eps, bias)
 
 
 def norm_add(
@@ -381,46 +362,39 @@ def norm_add(
 
     Returns and Raises: as ``rms_norm_add``.
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
-    if holds_dtensor(x, residual, weight, bias):
-        return _on_local_shards(rms_norm_add, layer_norm_add, mode, x=x, residual=residual, weight=weight, eps=eps,
-                                bias=bias)
-    eps = float(eps)
-    if torch.compiler.is_compiling():
-        return _traced_ops(x).norm_add(x, residual, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, residual, weight, bias):
-        return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
-    return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
+    return bound_norm(mode).norm_add(x, residual, weight, eps, bias)
 
 
 class BoundNorm:
-    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode, for a caller that makes the same calls over and
-    over: a patched norm module (``patch/fused.py``), whose decode calls are bound by host time. Same results and
-    same errors as those functions, with the launch bound once per combination of what decides it.
+    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode (``bound_norm``), which every call of the norms goes
+    through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
+    eager call that records no gradient takes a launch bound once per combination of what decides it, instead of
+    working it out again: decode calls are bound by host time.
 
-    An eager call that records no gradient, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the
-    kernel's plan, flags and launch) under a key of everything the argument checks read except what varies from
-    call to call: the op; ``x``'s dtype, device and last dimension; the residual's dtype and device; the weight's
-    and the bias's dtype, device and shape. A key is stored only after the function it stands for ran on such
-    arguments, so it passed ``checks.check_forward`` (which reads nothing else of them) and took the kernels: a key
-    found proves every dtype loadable, every tensor on ``x``'s device, the weight and bias of ``x``'s width. Each
-    call still checks what the key leaves out: the residual's whole shape (it must be ``x``'s, whose rows vary) and
-    ``eps`` (the caller reads it per call); the launch itself reads the strides, row count and alignment.
+    Such a call, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the kernel's plan, flags and
+    launch) under a key of everything the argument checks read except what varies from call to call: the op;
+    ``x``'s dtype, device and last dimension; the residual's dtype and device; the weight's and the bias's dtype,
+    device and shape. A key is stored only after the general path ran on such arguments, so it passed
+    ``checks.check_forward`` (which reads nothing else of them) and ran the kernels: a key found proves every dtype
+    loadable, every tensor on ``x``'s device, the weight and bias of ``x``'s width. Each call still checks what the
+    key leaves out: the residual's whole shape (it must be ``x``'s, whose rows vary) and ``eps``; the launch reads
+    the strides, the row count and the alignment itself.
 
-    Anything else runs the function itself, which checks, raises its one-line errors and computes as it always
+    Every other call takes the general path, which checks, raises its one-line errors and computes as it always
     did: while torch.compile traces, where autograd records, tensor subclasses (DTensor, fake tensors), a key not
     seen yet (which the call then stores), a combination the kernels do not run (fp64, the CPU without the
     interpreter: stored as None), a call that fails a per-call check.
 
-    The cache is a pure function of its keys, whatever ran before: the binding depends on nothing else but the
-    tuned-plan table in use, and is emptied when that changes (``tuning.plans_in_use``). Tensors are never cached:
-    the caller reads the weight and eps on every call (they may be replaced or edited between calls).
+    The caches are pure functions of their keys, whatever ran before: a binding depends on nothing else but the
+    tuned-plan table in use, and they are emptied when that changes (``tuning.plans_in_use``). No tensor is kept:
+    the weight and eps are the caller's on every call (a patched module reads them per call, as the user may
+    replace or edit them between calls).
     """
 
     def __init__(self, mode: str) -> None:
         get_mode(mode)  # a clear error for an unknown mode, once
         self.mode = mode
-        # One cache per op: binding key -> ForwardLaunch, or None where the function itself runs.
+        # One cache per op: binding key -> ForwardLaunch, or None where the general path runs.
         self._norm = reads_tuned_plans(_LaunchCache())
         self._fused_add_norm = reads_tuned_plans(_LaunchCache())
         self._norm_add = reads_tuned_plans(_LaunchCache())
@@ -431,7 +405,7 @@ class BoundNorm:
         launch = None if key is None else self._norm.get(key)
         if launch is not None and 0.0 <= (eps := float(eps)) < math.inf:
             return launch(x, None, weight, bias, eps)[0]
-        y = norm(x, weight, eps, bias=bias, mode=self.mode)
+        y = _norm(x, weight, eps, bias, self.mode)
         if key is not None and key not in self._norm:
             self._norm[key] = self._bind(x, None, weight, bias, add_after=False)
         return y
@@ -444,7 +418,7 @@ class BoundNorm:
         if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
             y, new_residual, _ = launch(x, residual, weight, bias, eps)
             return y, new_residual
-        out = fused_add_norm(x, residual, weight, eps, bias=bias, mode=self.mode)
+        out = _fused_add_norm(x, residual, weight, eps, bias, self.mode)
         if key is not None and key not in self._fused_add_norm:
             self._fused_add_norm[key] = self._bind(x, residual, weight, bias, add_after=False)
         return out
@@ -456,14 +430,14 @@ class BoundNorm:
         launch = None if key is None else self._norm_add.get(key)
         if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
             return launch(x, None, weight, bias, eps, residual)[0]
-        out = norm_add(x, residual, weight, eps, bias=bias, mode=self.mode)
+        out = _norm_add(x, residual, weight, eps, bias, self.mode)
         if key is not None and key not in self._norm_add:
             self._norm_add[key] = self._bind(x, residual, weight, bias, add_after=True)
         return out
 
     def _bind(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
               add_after: bool) -> ForwardLaunch | None:
-        """The binding of a call of the function itself that returned (so its arguments passed the checks): the
+        """The binding of a general-path call that returned (so its arguments passed the checks): the
         ``ForwardLaunch`` it launched (``residual`` added after the norm where ``add_after``: ``norm_add``), or
         None where it ran anything else (``runs_kernels``, ``_adds_in_kernel``)."""
         if add_after:
@@ -477,20 +451,31 @@ class BoundNorm:
 
 
 class _LaunchCache(dict[tuple, ForwardLaunch | None]):
-    """A ``BoundNorm``'s cache: binding key -> ``ForwardLaunch``, or None where the function itself runs. Emptied
+    """A ``BoundNorm``'s cache: binding key -> ``ForwardLaunch``, or None where the general path runs. Emptied
     with the plan caches when the tuned-plan table in use changes (``tuning.reads_tuned_plans``)."""
 
     cache_clear = dict.clear
 
 
+_BOUND_NORMS = {mode: BoundNorm(mode) for mode in MODES}
+
+
+def bound_norm(mode: str) -> BoundNorm:
+    """The ``BoundNorm`` of ``mode``; a ``ValueError`` naming the valid modes for an unknown one."""
+    bound = _BOUND_NORMS.get(mode)
+    if bound is None:
+        get_mode(mode)  # raises
+    return bound
+
+
 # Types of the tensors a bound call takes (None: an absent optional one); other types are subclasses with their own
-# dispatch (DTensor, fake and functional tensors), which the functions themselves handle.
+# dispatch (DTensor, fake and functional tensors), which the general path handles.
 _BINDABLE_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
 
 
 def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> tuple | None:
     """The key of ``BoundNorm``'s caches for a call on these arguments: what ``checks.check_forward`` reads of them
-    but the residual's shape; None for a call the function itself must run (while torch.compile traces, where
+    but the residual's shape; None for a call the general path must run (while torch.compile traces, where
     autograd records, tensor subclasses, a 0-dimensional ``x``)."""
     if (
         torch.compiler.is_compiling() or torch.is_grad_enabled() or type(x) is not Tensor
@@ -507,6 +492,47 @@ def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
         None if weight is None else (weight.dtype, weight.device, weight.shape),
         None if bias is None else (bias.dtype, bias.device, bias.shape),
     )
+
+
+# The general paths, which every call not served by a bound launch takes: DTensor arguments on their local shards,
+# the traced ops while torch.compile traces, autograd, and the eager call otherwise.
+
+
+def _norm(x, weight, eps, bias, mode) -> Tensor:
+    if holds_dtensor(x, weight, bias):
+        return _on_local_shards(rms_norm, layer_norm, mode, x=x, weight=weight, eps=eps, bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return _traced_ops(x).norm(x, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, weight, bias):
+        return _NormFunction.apply(x, weight, bias, eps, mode)[0]
+    return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
+
+
+def _fused_add_norm(x, residual, weight, eps, bias, mode) -> tuple[Tensor, Tensor]:
+    if holds_dtensor(x, residual, weight, bias):
+        return _on_local_shards(fused_add_rms_norm, fused_add_layer_norm, mode, x=x, residual=residual,
+                                weight=weight, eps=eps, bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        y, new_residual, _ = _traced_ops(x).add_norm(x, residual, weight, bias, eps, mode)
+    elif _needs_autograd(x, residual, weight, bias):
+        y, new_residual, _ = _AddNormFunction.apply(x, residual, weight, bias, eps, mode)
+    else:
+        y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
+    return y, new_residual
+
+
+def _norm_add(x, residual, weight, eps, bias, mode) -> Tensor:
+    if holds_dtensor(x, residual, weight, bias):
+        return _on_local_shards(rms_norm_add, layer_norm_add, mode, x=x, residual=residual, weight=weight, eps=eps,
+                                bias=bias)
+    eps = float(eps)
+    if torch.compiler.is_compiling():
+        return _traced_ops(x).norm_add(x, residual, weight, bias, eps, mode)[0]
+    if _needs_autograd(x, residual, weight, bias):
+        return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
+    return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
 
 
 def rms_norm(

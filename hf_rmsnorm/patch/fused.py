@@ -18,7 +18,7 @@ import types
 
 from torch import Tensor, nn
 
-from ..ops.functional import BoundNorm
+from ..ops.functional import BoundNorm, bound_norm
 from . import derived, handoff
 from .derived import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
@@ -44,7 +44,7 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
         if isinstance(kind, NormKind):
             namespace.update(
                 forward=_forward_like(_norm_forward, base.forward, _norm_signature(base.forward)),
-                _hf_rmsnorm_norm=BoundNorm(kind.mode),  # the class's calls, their launches bound once
+                _hf_rmsnorm_norm=bound_norm(kind.mode),  # its mode's calls, their launches bound once
             )
         elif isinstance(kind, StackKind):
             # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
