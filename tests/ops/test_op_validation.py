@@ -1,9 +1,10 @@
 """Bad arguments fail with one clear error, the same on every path, before a kernel could read out of bounds.
 
-Every bad case runs through every way into the ops: the public functions without and with autograd, the call a
-patched norm makes with its launch bound (``BoundNorm``), the custom ops called directly, their fake implementations
-(what ``torch.compile`` traces) and a ``torch.compile(fullgraph=True)`` call; and on both implementations: fp32 tensors run the Triton kernels (in Triton's interpreter on CPU), fp64
-tensors the PyTorch implementation. The message is asserted whole, so it is the same whichever runs.
+Every bad case runs through every way into the ops: the public functions without and with autograd, a call whose
+launch an earlier valid one bound (``BoundNorm``, what a patched norm's repeated calls find), the custom ops called
+directly, their fake implementations (what ``torch.compile`` traces) and a ``torch.compile(fullgraph=True)`` call;
+and on both implementations: fp32 tensors run the Triton kernels (in Triton's interpreter on CPU), fp64 tensors the
+PyTorch implementation. The message is asserted whole, so it is the same whichever runs.
 """
 
 import math
