@@ -1,9 +1,11 @@
 """Public functional API: the RMSNorms ``rms_norm``, ``fused_add_rms_norm`` and ``rms_norm_add`` and the LayerNorms
 ``layer_norm``, ``fused_add_layer_norm`` and ``layer_norm_add``, differentiable and torch.compile-able.
 
-Both families run ``norm``, ``fused_add_norm`` and ``norm_add``, which take any mode of ``modes.py`` and are the
-entry of the package's own callers that read the mode from data (patched modules). ``rms_norm(mode="layernorm")``
-and its siblings still run the LayerNorm, with a ``DeprecationWarning`` naming the LayerNorm function to call.
+Both families run ``norm``, ``fused_add_norm`` and ``norm_add``, which take any mode of ``modes.py``, through their
+mode's ``BoundNorm`` (``bound_norm``; patched modules hold it): an eager call that records no gradient runs a launch
+bound once per combination of dtypes, devices, width and op, and every other call the general path below.
+``rms_norm(mode="layernorm")`` and its siblings still run the LayerNorm, with a ``DeprecationWarning`` naming the
+LayerNorm function to call.
 
 The forwards and the backward are registered twice with ``torch.library``, under one schema:
 
@@ -24,7 +26,9 @@ implementation directly unless a graph is being traced.
 ``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
 interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
 the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_norm_bwd_impl``, which
-every eager, autograd and custom-op call goes through, and in the fake implementations ``torch.compile`` traces.
+every eager, autograd and custom-op call of the general path goes through, and in the fake implementations
+``torch.compile`` traces. A bound call finds its binding only where those checks passed on what its key holds, and
+checks the rest itself (``BoundNorm``).
 
 DTensor arguments (tensor- and sequence-parallel plans) are handed to ``dtensor.py`` first: it checks that the
 norm is row-local on them and calls the public function of the mode (the one its errors name) again on the local
