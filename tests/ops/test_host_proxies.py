@@ -151,6 +151,18 @@ def test_a_patched_norms_decode_call_costs_a_few_aten_adds_of_host_time(monkeypa
     assert ratio <= BOUND_CALL_MAX_ADDS
 
 
+def test_the_public_functions_are_imported_once():
+    """``hf_rmsnorm.ops.<function>`` (and ``hf_rmsnorm.<function>``) imports the functional API on first use and
+    keeps what it imported in the module: later lookups are attribute reads, not imports (tens of microseconds)."""
+    import hf_rmsnorm
+    import hf_rmsnorm.ops as ops
+
+    for module in (ops, hf_rmsnorm):
+        for name in ops._FUNCTIONAL:
+            assert getattr(module, name) is getattr(functional, name)
+            assert vars(module)[name] is getattr(functional, name)
+
+
 class _SavedBytes:
     """Bytes of the activations autograd keeps for the backward (each storage once; parameters left out: they
     live anyway)."""
