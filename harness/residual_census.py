@@ -29,13 +29,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from hf_rmsnorm.ops.functional import BoundNorm
 from hf_rmsnorm.patch import fused
 
 _ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__}
 # Ops whose result stays on the stream when their first operand is on it: a residual scaled before its add
 # (``residual * alpha + h``), or carried in another dtype (``residual.to(torch.float32)``).
 _CARRIERS = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.to, Tensor.float}
-# The functional entry points a patched norm's forward calls when it adds (``hf_rmsnorm.patch.fused``).
+# The methods a patched norm's forward calls when it adds (on its class's ``BoundNorm``: ``hf_rmsnorm.patch.fused``).
 _ADDING_KERNELS = ("fused_add_norm", "norm_add")
 _PACKAGE = Path(fused.__file__).resolve().parents[1]
 
@@ -158,9 +159,9 @@ def fused_adds(model: nn.Module, run) -> int:
 
     with contextlib.ExitStack() as stack:
         for name in _ADDING_KERNELS:
-            original = getattr(fused, name)
-            setattr(fused, name, counted(original))
-            stack.callback(setattr, fused, name, original)
+            original = getattr(BoundNorm, name)
+            setattr(BoundNorm, name, counted(original))
+            stack.callback(setattr, BoundNorm, name, original)
         with torch.no_grad():
             run(model)
     return calls[0]

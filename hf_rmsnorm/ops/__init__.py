@@ -32,6 +32,8 @@ __all__ = [*_FUNCTIONAL, "MODES"]
 
 
 def __getattr__(name: str):
-    if name in _FUNCTIONAL:
-        return getattr(importlib.import_module(".functional", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _FUNCTIONAL:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".functional", __name__), name)
+    globals()[name] = value  # later lookups skip this function (an import costs tens of microseconds)
+    return value

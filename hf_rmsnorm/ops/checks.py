@@ -7,7 +7,8 @@ broadcastable residual, not at all). ``functional.py`` therefore calls these che
 call goes through before anything is launched: the real forward and backward (eager calls, the
 ``autograd.Function`` path, the custom ops when called or run from a compiled graph) and the fake
 implementations of the custom ops, so that ``torch.compile`` fails while tracing, with this message inside its
-own error.
+own error. An eager call whose launch is bound (``functional.BoundNorm``) skips the checks its binding proves and
+takes the path above, which raises them, whenever one of the rest fails.
 
 Errors, always one line naming the op, the argument, its actual value and what is expected:
 

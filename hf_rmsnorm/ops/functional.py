@@ -1,9 +1,11 @@
 """Public functional API: the RMSNorms ``rms_norm``, ``fused_add_rms_norm`` and ``rms_norm_add`` and the LayerNorms
 ``layer_norm``, ``fused_add_layer_norm`` and ``layer_norm_add``, differentiable and torch.compile-able.
 
-Both families run ``norm``, ``fused_add_norm`` and ``norm_add``, which take any mode of ``modes.py`` and are the
-entry of the package's own callers that read the mode from data (patched modules). ``rms_norm(mode="layernorm")``
-and its siblings still run the LayerNorm, with a ``DeprecationWarning`` naming the LayerNorm function to call.
+Both families run ``norm``, ``fused_add_norm`` and ``norm_add``, which take any mode of ``modes.py``, through their
+mode's ``BoundNorm`` (``bound_norm``; patched modules hold it): an eager call that records no gradient runs a launch
+bound once per combination of dtypes, devices, width and op, and every other call the general path below.
+``rms_norm(mode="layernorm")`` and its siblings still run the LayerNorm, with a ``DeprecationWarning`` naming the
+LayerNorm function to call.
 
 The forwards and the backward are registered twice with ``torch.library``, under one schema:
 
@@ -24,7 +26,9 @@ implementation directly unless a graph is being traced.
 ``backend.py`` decides per call which implementation runs: the Triton kernels (compiled, or in Triton's
 interpreter) or the PyTorch implementation in ``reference.py``, which has identical semantics. Whichever runs,
 the arguments are checked first, once per call, by ``checks.py``: in ``_forward`` and ``_norm_bwd_impl``, which
-every eager, autograd and custom-op call goes through, and in the fake implementations ``torch.compile`` traces.
+every eager, autograd and custom-op call of the general path goes through, and in the fake implementations
+``torch.compile`` traces. A bound call finds its binding only where those checks passed on what its key holds, and
+checks the rest itself (``BoundNorm``).
 
 DTensor arguments (tensor- and sequence-parallel plans) are handed to ``dtensor.py`` first: it checks that the
 norm is row-local on them and calls the public function of the mode (the one its errors name) again on the local
@@ -33,6 +37,7 @@ shards.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, NamedTuple
 
@@ -43,8 +48,9 @@ from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .dtensor import call_on_local_shards, holds_dtensor
-from .launch import is_traced, norm_backward, norm_forward
-from .modes import dtype_of, get_mode, sum_dtype
+from .launch import ForwardLaunch, forward_launch, is_traced, norm_backward, norm_forward
+from .modes import MODES, dtype_of, get_mode, sum_dtype
+from .tuning import device_arch, reads_tuned_plans
 
 
 def _forward(x, residual, weight, bias, eps, mode, store_stats=True):
@@ -105,12 +111,18 @@ def _(x, residual, weight, bias, eps, mode):
     return _fake_forward(x, residual, weight, bias, eps, mode)
 
 
-def _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=True):
-    """``(residual + norm(x), stats)``: one kernel when the norm's output has the residual's dtype (the add
-    then rounds in that dtype, as torch's does), else the norm's kernel and torch's add."""
-    check_forward(x, residual, weight, bias, eps, mode)  # the residual's shape too: the add must not broadcast
+def _adds_in_kernel(x, residual, weight, bias, mode) -> bool:
+    """Whether ``norm_add`` adds in the norm's kernel: where the norm's output has the residual's dtype (the add
+    then rounds in that dtype, as torch's does) and the kernels run."""
     same_dtype = get_mode(mode).output_dtype_of(x.dtype, dtype_of(weight), dtype_of(bias)) == residual.dtype
-    if same_dtype and runs_kernels(x, residual, weight, bias):
+    return same_dtype and runs_kernels(x, residual, weight, bias)
+
+
+def _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=True):
+    """``(residual + norm(x), stats)``: one kernel where ``_adds_in_kernel``, else the norm's kernel and torch's
+    add."""
+    check_forward(x, residual, weight, bias, eps, mode)  # the residual's shape too: the add must not broadcast
+    if _adds_in_kernel(x, residual, weight, bias, mode):
         out, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
                                      store_stats=store_stats)
         return out, stats
@@ -330,11 +342,167 @@ def _warn_layer_norm_mode(called: str, replacement: str) -> None:
 
 def norm(x: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str) -> Tensor:
     """The norm of any mode in ``MODES``, and never a warning: what ``rms_norm`` and ``layer_norm`` run, and the
-    entry of the package's own callers that read the mode from data (patched modules, ``patch/fused.py``).
+    entry of the package's own callers that read the mode from data.
 
     Args, Returns and Raises: as ``rms_norm``; ``mode`` may be ``"layernorm"`` (``layer_norm``).
     """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+    return bound_norm(mode).norm(x, weight, eps, bias)
+
+
+def fused_add_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
+) -> tuple[Tensor, Tensor]:
+    """``fused_add_rms_norm`` of any mode in ``MODES``, and never a warning (see ``norm``).
+
+    Returns and Raises: as ``fused_add_rms_norm``.
+    """
+    return bound_norm(mode).fused_add_norm(x, residual, weight, eps, bias)
+
+
+def norm_add(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
+) -> Tensor:
+    """``rms_norm_add`` of any mode in ``MODES``, and never a warning (see ``norm``).
+
+    Returns and Raises: as ``rms_norm_add``.
+    """
+    return bound_norm(mode).norm_add(x, residual, weight, eps, bias)
+
+
+class BoundNorm:
+    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode (``bound_norm``), which every call of the norms goes
+    through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
+    eager call that records no gradient takes a launch bound once per combination of what decides it, instead of
+    working it out again: decode calls are bound by host time.
+
+    Such a call, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the kernel's plan, flags and
+    launch) under a key of everything the argument checks read except what varies from call to call: the op;
+    ``x``'s dtype, device and last dimension; the residual's dtype and device; the weight's and the bias's dtype,
+    device and shape. A key is stored only after the general path ran on such arguments, so it passed
+    ``checks.check_forward`` (which reads nothing else of them) and ran the kernels: a key found proves every dtype
+    loadable, every tensor on ``x``'s device, the weight and bias of ``x``'s width. Each call still checks what the
+    key leaves out: the residual's whole shape (it must be ``x``'s, whose rows vary) and ``eps``; the launch reads
+    the strides, the row count and the alignment itself.
+
+    Every other call takes the general path, which checks, raises its one-line errors and computes as it always
+    did: while torch.compile traces, where autograd records, tensor subclasses (DTensor, fake tensors), a key not
+    seen yet (which the call then stores), a combination the kernels do not run (fp64, the CPU without the
+    interpreter: stored as None), a call that fails a per-call check.
+
+    The caches are pure functions of their keys, whatever ran before: a binding depends on nothing else but the
+    tuned-plan table in use, and they are emptied when that changes (``tuning.plans_in_use``). No tensor is kept:
+    the weight and eps are the caller's on every call (a patched module reads them per call, as the user may
+    replace or edit them between calls).
+    """
+
+    def __init__(self, mode: str) -> None:
+        get_mode(mode)  # a clear error for an unknown mode, once
+        self.mode = mode
+        # One cache per op: binding key -> ForwardLaunch, or None where the general path runs.
+        self._norm = reads_tuned_plans(_LaunchCache())
+        self._fused_add_norm = reads_tuned_plans(_LaunchCache())
+        self._norm_add = reads_tuned_plans(_LaunchCache())
+
+    def norm(self, x: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None) -> Tensor:
+        """``norm(x, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, None, weight, bias)
+        launch = None if key is None else self._norm.get(key)
+        if launch is not None and 0.0 <= (eps := float(eps)) < math.inf:
+            return launch(x, None, weight, bias, eps)[0]
+        y = _norm(x, weight, eps, bias, self.mode)
+        if key is not None and key not in self._norm:
+            self._norm[key] = self._bind(x, None, weight, bias, add_after=False)
+        return y
+
+    def fused_add_norm(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                       bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``fused_add_norm(x, residual, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, residual, weight, bias)
+        launch = None if key is None else self._fused_add_norm.get(key)
+        if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
+            y, new_residual, _ = launch(x, residual, weight, bias, eps)
+            return y, new_residual
+        out = _fused_add_norm(x, residual, weight, eps, bias, self.mode)
+        if key is not None and key not in self._fused_add_norm:
+            self._fused_add_norm[key] = self._bind(x, residual, weight, bias, add_after=False)
+        return out
+
+    def norm_add(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float,
+                 bias: Tensor | None) -> Tensor:
+        """``norm_add(x, residual, weight, eps, bias=bias, mode=self.mode)``."""
+        key = _binding_key(x, residual, weight, bias)
+        launch = None if key is None else self._norm_add.get(key)
+        if launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf:
+            return launch(x, None, weight, bias, eps, residual)[0]
+        out = _norm_add(x, residual, weight, eps, bias, self.mode)
+        if key is not None and key not in self._norm_add:
+            self._norm_add[key] = self._bind(x, residual, weight, bias, add_after=True)
+        return out
+
+    def _bind(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+              add_after: bool) -> ForwardLaunch | None:
+        """The binding of a general-path call that returned (so its arguments passed the checks): the
+        ``ForwardLaunch`` it launched (``residual`` added after the norm where ``add_after``: ``norm_add``), or
+        None where it ran anything else (``runs_kernels``, ``_adds_in_kernel``)."""
+        if add_after:
+            kernel_runs, residual_dtype = _adds_in_kernel(x, residual, weight, bias, self.mode), None
+        else:
+            kernel_runs, residual_dtype = runs_kernels(x, residual, weight, bias), dtype_of(residual)
+        if not kernel_runs:
+            return None
+        return forward_launch(x.dtype, residual_dtype, dtype_of(weight), dtype_of(bias), int(x.shape[-1]), self.mode,
+                              add_after, False, device_arch(x.get_device()))
+
+
+class _LaunchCache(dict[tuple, ForwardLaunch | None]):
+    """A ``BoundNorm``'s cache: binding key -> ``ForwardLaunch``, or None where the general path runs. Emptied
+    with the plan caches when the tuned-plan table in use changes (``tuning.reads_tuned_plans``)."""
+
+    cache_clear = dict.clear
+
+
+_BOUND_NORMS = {mode: BoundNorm(mode) for mode in MODES}
+
+
+def bound_norm(mode: str) -> BoundNorm:
+    """The ``BoundNorm`` of ``mode``; a ``ValueError`` naming the valid modes for an unknown one."""
+    bound = _BOUND_NORMS.get(mode)
+    if bound is None:
+        get_mode(mode)  # raises
+    return bound
+
+
+# Types of the tensors a bound call takes (None: an absent optional one); other types are subclasses with their own
+# dispatch (DTensor, fake and functional tensors), which the general path handles.
+_BINDABLE_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
+
+
+def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> tuple | None:
+    """The key of ``BoundNorm``'s caches for a call on these arguments: what ``checks.check_forward`` reads of them
+    but the residual's shape; None for a call the general path must run (while torch.compile traces, where
+    autograd records, tensor subclasses, a 0-dimensional ``x``)."""
+    if (
+        torch.compiler.is_compiling() or torch.is_grad_enabled() or type(x) is not Tensor
+        or type(residual) not in _BINDABLE_TYPES or type(weight) not in _BINDABLE_TYPES
+        or type(bias) not in _BINDABLE_TYPES
+    ):
+        return None
+    shape = x.shape
+    if not shape:
+        return None
+    return (
+        x.dtype, x.device, shape[-1],
+        None if residual is None else (residual.dtype, residual.device),
+        None if weight is None else (weight.dtype, weight.device, weight.shape),
+        None if bias is None else (bias.dtype, bias.device, bias.shape),
+    )
+
+
+# The general paths, which every call not served by a bound launch takes: DTensor arguments on their local shards,
+# the traced ops while torch.compile traces, autograd, and the eager call otherwise.
+
+
+def _norm(x, weight, eps, bias, mode) -> Tensor:
     if holds_dtensor(x, weight, bias):
         return _on_local_shards(rms_norm, layer_norm, mode, x=x, weight=weight, eps=eps, bias=bias)
     eps = float(eps)
@@ -345,14 +513,7 @@ def norm(x: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, m
     return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
 
 
-def fused_add_norm(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
-) -> tuple[Tensor, Tensor]:
-    """``fused_add_rms_norm`` of any mode in ``MODES``, and never a warning (see ``norm``).
-
-    Returns and Raises: as ``fused_add_rms_norm``.
-    """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+def _fused_add_norm(x, residual, weight, eps, bias, mode) -> tuple[Tensor, Tensor]:
     if holds_dtensor(x, residual, weight, bias):
         return _on_local_shards(fused_add_rms_norm, fused_add_layer_norm, mode, x=x, residual=residual,
                                 weight=weight, eps=eps, bias=bias)
@@ -366,14 +527,7 @@ def fused_add_norm(
     return y, new_residual
 
 
-def norm_add(
-    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None, mode: str
-) -> Tensor:
-    """``rms_norm_add`` of any mode in ``MODES``, and never a warning (see ``norm``).
-
-    Returns and Raises: as ``rms_norm_add``.
-    """
-    get_mode(mode)  # a clear error for an unknown mode, before anything runs
+def _norm_add(x, residual, weight, eps, bias, mode) -> Tensor:
     if holds_dtensor(x, residual, weight, bias):
         return _on_local_shards(rms_norm_add, layer_norm_add, mode, x=x, residual=residual, weight=weight, eps=eps,
                                 bias=bias)

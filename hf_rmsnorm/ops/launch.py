@@ -18,7 +18,7 @@ from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
 from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel, sum_partials_kernel
-from .modes import Mode, dtype_of, get_mode, sum_dtype
+from .modes import dtype_of, get_mode, sum_dtype
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
@@ -193,35 +193,93 @@ def _new_rows(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
-class _ForwardPlan(NamedTuple):
-    """What a forward launch depends on besides the tensors' addresses and row count."""
+class ForwardLaunch:
+    """The forward kernel's launch for one combination of argument dtypes (None: the tensor is absent), width, mode,
+    flags and GPU architecture: the output dtypes, the tiling and the kernel flags, worked out once by
+    ``forward_launch``, and the launch itself (calling it). Its identity keys its launches in the launcher's cache
+    (``CachedLauncher``'s key by plan): it fixes every dtype, which pointers are None, the width, the constexprs and
+    ``num_warps``."""
 
-    mode: Mode
-    y_dtype: torch.dtype
-    norm_dtype: torch.dtype
-    block_m: int
-    num_warps: int
-    constexprs: dict
+    __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "block_m", "num_warps", "constexprs", "store_stats",
+                 "y_like_x", "sum_like_x")
+
+    def __init__(self, x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
+                 bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool, store_stats: bool,
+                 arch: str | None) -> None:
+        m = get_mode(mode)
+        self.mode = m
+        self.norm_dtype = sum_dtype(x_dtype, residual_dtype)
+        self.y_dtype = m.output_dtype_of(self.norm_dtype, weight_dtype, bias_dtype)
+        self.n_cols = n_cols
+        # The sum's dtype is the wider of x's and the residual's: the widest activation the forward loads.
+        tiling = forward_plan(n_cols, self.norm_dtype.itemsize, arch)
+        self.block_m, self.num_warps = tiling.block_m, tiling.num_warps
+        self.constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
+                               HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
+                               BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
+                               ADD_AFTER=add_after, STORE_STATS=store_stats)
+        self.store_stats = store_stats
+        # Whether an output of a contiguous x can be allocated like x (``_new_rows``), decided once here.
+        self.y_like_x = self.y_dtype == x_dtype
+        self.sum_like_x = self.norm_dtype == x_dtype
+
+    def grid(self, n_rows: int) -> int:
+        """Programs of a launch on ``n_rows`` rows: one per block of ``block_m`` rows."""
+        return _cdiv(n_rows, self.block_m)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, eps: float, residual_after: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``norm_forward`` on arguments of this launch's combination, which the caller checked (``checks.py``)."""
+        n_cols = self.n_cols
+        contiguous = x.is_contiguous()
+        # ``_new_rows``, with its test of the dtype made once.
+        y = torch.empty_like(x) if self.y_like_x and contiguous else _new_rows(x, self.y_dtype)
+        new_residual = None if residual is None else (
+            torch.empty_like(x) if self.sum_like_x and contiguous else _new_rows(x, self.norm_dtype))
+        stats = (torch.empty(self.mode.stats_shape(x.shape), dtype=torch.float32, device=x.device)
+                 if self.store_stats else None)
+        n_rows = y.numel() // n_cols if n_cols else 0
+        if n_rows == 0:
+            return y, new_residual, stats
+
+        x2, stride_x = (x, n_cols) if contiguous else _as_rows(x, n_cols)
+        added = residual if residual_after is None else residual_after
+        # A pointer the kernel does not touch is None: no tensor reaches it twice, so a traced graph's outputs cannot
+        # be confused with one another (torch.compile clones each tensor a traced kernel writes, one by one).
+        r2, stride_r = (None, 0) if added is None else _as_rows(added, n_cols)
+        # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
+        # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
+        weight = None if weight is None else weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        # Outputs are fresh and contiguous: their row stride is n_cols.
+        grid = self.grid(n_rows)
+        args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
+        if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
+            _launch(wrap_triton(norm_fwd_kernel), grid, args, self.constexprs, self.num_warps)
+            return y, new_residual, stats
+        # The launcher's key by plan: this launch fixes every dtype (residual_after's is the norm's output dtype,
+        # which the key checks all the same), which pointers are None, n_cols, the constexprs and num_warps; per
+        # call there remain the pointers' alignment and eps's type (unaligned pointers and an eps other than a
+        # float, which the public ops pass and Triton never specialises, take the key by arguments), the row
+        # count's class and the input row strides, exact (a model repeats a few).
+        by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats)
+        _launch(norm_fwd_kernel, grid, args, self.constexprs, self.num_warps, self if by_plan else None,
+                (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)))
+        return y, new_residual, stats
 
 
 @reads_tuned_plans
 @functools.lru_cache(maxsize=None)
-def _forward_plan(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
-                  bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool,
-                  store_stats: bool, arch: str | None) -> _ForwardPlan:
-    """The forward's dtypes, tiling and kernel flags for one combination of argument dtypes, width, flags and
-    GPU architecture. A pure function of its arguments, cached because decode repeats a handful of combinations
-    and is host-bound: computing them costs several microseconds, looking them up a fraction of one."""
-    m = get_mode(mode)
-    norm_dtype = sum_dtype(x_dtype, residual_dtype)
-    # The sum's dtype is the wider of x's and the residual's: the widest activation the forward loads.
-    tiling = forward_plan(n_cols, norm_dtype.itemsize, arch)
-    constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
-                      HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
-                      BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
-                      ADD_AFTER=add_after, STORE_STATS=store_stats)
-    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, tiling.block_m,
-                        tiling.num_warps, constexprs)
+def forward_launch(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
+                   bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool, store_stats: bool,
+                   arch: str | None) -> ForwardLaunch:
+    """The ``ForwardLaunch`` of one combination of argument dtypes, width, mode, flags (``add_after``:
+    ``residual_after`` given) and GPU architecture (``tuning.device_arch``). A pure function of its arguments,
+    cached: decode repeats a handful of combinations and is host-bound (working one out costs several microseconds,
+    looking it up a fraction of one), and the launcher's cache keys on the launch's identity."""
+    return ForwardLaunch(x_dtype, residual_dtype, weight_dtype, bias_dtype, n_cols, mode, add_after, store_stats,
+                         arch)
 
 
 def norm_forward(
@@ -238,44 +296,12 @@ def norm_forward(
     ``x.shape[:-1]``, stacked with the row means in ``"layernorm"`` mode; None unless ``store_stats`` (only the
     backward reads them). With ``residual_after`` (of ``x``'s shape and of the norm's output dtype; ``residual``
     then None), ``y`` is ``residual_after + norm(x)``."""
-    shape = x.shape
     # A concrete width even where torch.compile traces it as symbolic (dynamic=True): the tiling depends on it, so
     # a compiled graph is specialised on it (and recompiled for another width); the rows may stay symbolic.
-    n_cols = int(shape[-1])
-    plan = _forward_plan(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
-                         residual_after is not None, store_stats, device_arch(x.get_device()))
-    y = _new_rows(x, plan.y_dtype)
-    new_residual = None if residual is None else _new_rows(x, plan.norm_dtype)
-    stats = (torch.empty(plan.mode.stats_shape(shape), dtype=torch.float32, device=x.device) if store_stats
-             else None)
-    n_rows = y.numel() // n_cols if n_cols else 0
-    if n_rows == 0:
-        return y, new_residual, stats
-
-    x2, stride_x = _as_rows(x, n_cols)
-    added = residual if residual_after is None else residual_after
-    # A pointer the kernel does not touch is None: no tensor reaches it twice, so a traced graph's outputs cannot
-    # be confused with one another (torch.compile clones each tensor a traced kernel writes, one by one).
-    r2, stride_r = (None, 0) if added is None else _as_rows(added, n_cols)
-    # The kernels index weight and bias with unit stride (a strided view would be read wrongly, an expanded
-    # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
-    weight = None if weight is None else weight.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    # Outputs are fresh and contiguous: their row stride is n_cols.
-    grid = _cdiv(n_rows, plan.block_m)
-    args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
-    if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
-        _launch(wrap_triton(norm_fwd_kernel), grid, args, plan.constexprs, plan.num_warps)
-        return y, new_residual, stats
-    # The launcher's key by plan: the plan fixes every dtype (residual_after's is the norm's output dtype, which
-    # the key checks all the same), which pointers are None, n_cols, the constexprs and num_warps; per call there
-    # remain the pointers' alignment and eps's type (unaligned pointers and an eps other than a float, which the
-    # public ops pass and Triton never specialises, take the key by arguments), the row count's class and the
-    # input row strides, exact (a model repeats a few).
-    by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats)
-    _launch(norm_fwd_kernel, grid, args, plan.constexprs, plan.num_warps, plan if by_plan else None,
-            (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)))
-    return y, new_residual, stats
+    n_cols = int(x.shape[-1])
+    launch = forward_launch(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
+                            residual_after is not None, store_stats, device_arch(x.get_device()))
+    return launch(x, residual, weight, bias, eps, residual_after)
 
 
 def norm_backward(

@@ -205,8 +205,8 @@ Cached = TypeVar("Cached")
 
 
 def reads_tuned_plans(cached: Cached) -> Cached:
-    """Marks a ``functools.lru_cache``d function whose results depend on the table in use, so that
-    ``plans_in_use`` clears its cache when it switches tables. Returns the function itself."""
+    """Marks a cache whose contents depend on the table in use (a ``functools.lru_cache``d function, or any object
+    with a ``cache_clear`` method), so that ``plans_in_use`` clears it when it switches tables. Returns it."""
     _dependent_caches.append(cached.cache_clear)  # type: ignore[attr-defined]
     return cached
 

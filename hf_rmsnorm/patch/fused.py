@@ -18,7 +18,7 @@ import types
 
 from torch import Tensor, nn
 
-from ..ops.functional import fused_add_norm, norm, norm_add
+from ..ops.functional import BoundNorm, bound_norm
 from . import derived, handoff
 from .derived import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
@@ -42,7 +42,10 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
             "kernel_layer_name": _NO_HUB_LAYER,
         }
         if isinstance(kind, NormKind):
-            namespace["forward"] = _forward_like(_norm_forward, base.forward, _norm_signature(base.forward))
+            namespace.update(
+                forward=_forward_like(_norm_forward, base.forward, _norm_signature(base.forward)),
+                _hf_rmsnorm_norm=bound_norm(kind.mode),  # its mode's calls, their launches bound once
+            )
         elif isinstance(kind, StackKind):
             # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
             namespace.update(
@@ -142,17 +145,19 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
     """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +
     hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
     kind: NormKind = self._hf_rmsnorm_kind
+    bound: BoundNorm = self._hf_rmsnorm_norm
+    # Read on every call: the user may replace or edit them between calls.
     eps = getattr(self, kind.eps_attr)
     weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
     if add_to is not None:
-        return norm_add(hidden_states, add_to, weight, eps, bias=bias, mode=kind.mode)
+        return bound.norm_add(hidden_states, add_to, weight, eps, bias)
     if residual is not None:
-        return fused_add_norm(hidden_states, residual, weight, eps, bias=bias, mode=kind.mode)
+        return bound.fused_add_norm(hidden_states, residual, weight, eps, bias)
     normed = handoff.take(self, hidden_states)
     if normed is not None:
         return normed
-    return norm(hidden_states, weight, eps, bias=bias, mode=kind.mode)
+    return bound.norm(hidden_states, weight, eps, bias)
 
 
 def _stack_forward(self, *args, **kwargs):

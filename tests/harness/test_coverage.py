@@ -32,14 +32,14 @@ def test_verdicts_of_known_model_types():
 
 def test_a_parity_failure_is_reported_as_failed(monkeypatch):
     """A patched model that drifts from its eager self is a failure, never a pass."""
-    import hf_rmsnorm.ops.functional as functional
+    from hf_rmsnorm.ops.functional import BoundNorm
 
-    real = functional.norm
+    real = BoundNorm.norm
 
-    def drifting(x, weight, eps=1e-6, **kwargs):
-        return real(x, weight, eps, **kwargs) * 1.01
+    def drifting(self, x, weight, eps, bias):
+        return real(self, x, weight, eps, bias) * 1.01
 
-    monkeypatch.setattr("hf_rmsnorm.patch.fused.norm", drifting)
+    monkeypatch.setattr(BoundNorm, "norm", drifting)
     result = coverage.check_model_type("gemma2", coverage.causal_lm_types()["gemma2"], 60)
     assert result.verdict == "failed" and "fp32 logits" in result.reason
 

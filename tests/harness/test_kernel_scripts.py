@@ -253,4 +253,5 @@ def test_launch_path_line_times_each_path_of_one_decode_call():
     line = kernel_bench.launch_path_line(32, settings)
     assert re.fullmatch(r"host us per decode call, 1 row, hidden 32, by launch path: cached launcher [\d.]+, "
                         r"Triton's kernel\[grid\] [\d.]+; compiled \(no CUDA graph\) through the Triton op [\d.]+, "
-                        r"through the custom op [\d.]+", line), line
+                        r"through the custom op [\d.]+; a patched norm module's norm\(x, residual=r\) [\d.]+ = "
+                        r"[\d.]+x a cached empty Triton launch's [\d.]+ \(goal <= 1.3x\)", line), line

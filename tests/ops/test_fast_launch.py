@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
-from hf_rmsnorm.ops import backend, fast_launch, launch
+from hf_rmsnorm.ops import backend, fast_launch, functional, launch
 from hf_rmsnorm.ops.fast_launch import CachedLauncher, _arg_key
 from hf_rmsnorm.ops.kernels import norm_fwd_kernel
 from harness.kernel_inspect import capture_launch
@@ -216,3 +216,153 @@ def test_a_launch_whose_first_argument_is_absent_runs_on_the_first_tensors_devic
     bias = torch.randn(HIDDEN, device=DEVICE, requires_grad=True)
     rms_norm(x, None, bias=bias).sum().backward()
     assert torch.equal(bias.grad, torch.full_like(bias, rows))
+
+
+# The bound launch (functional.BoundNorm): a call whose launch was bound by an earlier one computes bit for bit what
+# the general path computes on the same arguments, whatever ran before.
+
+# op -> (the bound call, the general path's), on (x, residual, weight, eps, bias, mode).
+BOUND_OPS = {
+    "norm": (lambda x, r, w, eps, b, mode: functional.bound_norm(mode).norm(x, w, eps, b),
+             lambda x, r, w, eps, b, mode: functional._norm(x, w, eps, b, mode)),
+    "fused_add_norm": (lambda x, r, w, eps, b, mode: functional.bound_norm(mode).fused_add_norm(x, r, w, eps, b),
+                       lambda x, r, w, eps, b, mode: functional._fused_add_norm(x, r, w, eps, b, mode)),
+    "norm_add": (lambda x, r, w, eps, b, mode: functional.bound_norm(mode).norm_add(x, r, w, eps, b),
+                 lambda x, r, w, eps, b, mode: functional._norm_add(x, r, w, eps, b, mode)),
+}
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _assert_same_bits(out, expected) -> None:
+    for a, b in zip(_as_tuple(out), _as_tuple(expected), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _bound_and_general(op: str, args: tuple) -> None:
+    """Calls ``op`` bound twice (the first call may bind) and asserts both give the general path's bits."""
+    bound, general = BOUND_OPS[op]
+    with torch.no_grad():
+        expected = general(*args)
+        for _ in range(2):
+            _assert_same_bits(bound(*args), expected)
+
+
+def test_a_bound_call_gives_the_general_paths_bits(monkeypatch):
+    """Over ops, modes, dtypes, row counts, alignment, strides, biases and mixed dtypes: the second call of each
+    runs bound (the general path would fail) and gives the general path's bits."""
+    g = torch.Generator().manual_seed(0)
+
+    def rows(n: int, dtype: torch.dtype, offset: int = 0, strided: bool = False) -> torch.Tensor:
+        width = 2 * HIDDEN if strided else HIDDEN
+        buffer = torch.randn(n * width + offset, generator=g).to(DEVICE, dtype)
+        return buffer[offset:].view(n, width)[:, :HIDDEN]
+
+    for op, mode, dtype, n, variant in itertools.product(
+        BOUND_OPS, ("llama", "gemma", "layernorm"), (torch.bfloat16, torch.float32), (1, 3),
+        ("aligned", "unaligned", "strided", "bias", "fp32 residual", "no weight"),
+    ):
+        x = rows(n, dtype, offset=1 if variant == "unaligned" else 0, strided=variant == "strided")
+        residual = rows(n, torch.float32 if variant == "fp32 residual" else dtype)
+        weight = None if variant == "no weight" else torch.randn(HIDDEN, generator=g).to(DEVICE, dtype)
+        bias = torch.randn(HIDDEN, generator=g).to(DEVICE, dtype) if variant == "bias" else None
+        args = (x, residual, weight, 1e-5, bias, mode)
+        _bound_and_general(op, args)
+        if op == "norm_add" and not functional._adds_in_kernel(x, residual, weight, bias, mode):
+            continue  # the norm's output is not of the residual's dtype: the norm's kernel and torch's add
+        with monkeypatch.context() as patch, torch.no_grad():
+            for name in ("_norm", "_fused_add_norm", "_norm_add"):
+                patch.setattr(functional, name, _general_path_ran)
+            BOUND_OPS[op][0](*args)
+
+
+def _general_path_ran(*args):
+    raise AssertionError("a bound call took the general path")
+
+
+def test_a_patched_norm_reads_its_weight_and_eps_on_every_call():
+    """Whatever the user does to a patched norm between calls, the next call computes what the general path
+    computes with the norm's weight and eps as they are then, and bad ones fail with the checks' errors."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hf_rmsnorm import patch_model
+
+    g = torch.Generator().manual_seed(0)
+    norm = LlamaRMSNorm(HIDDEN).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=g)
+    patch_model(norm)
+    x, residual = (torch.randn(3, HIDDEN, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+
+    def check() -> None:
+        with torch.no_grad():
+            out = norm(x, residual=residual)
+            _assert_same_bits(out, functional._fused_add_norm(x, residual, norm.weight, norm.variance_epsilon,
+                                                              None, "llama"))
+        return out
+
+    first = check()
+    with torch.no_grad():
+        norm.weight.mul_(2)  # edited in place
+    assert not torch.equal(check()[0], first[0])
+    norm.weight.data = norm.weight.data.float()  # recast under the same Parameter: Llama's output promotes
+    assert check()[0].dtype == torch.float32
+    norm.weight = torch.nn.Parameter(torch.randn(HIDDEN, generator=g).to(DEVICE, torch.bfloat16))  # a new one
+    check()
+    norm.load_state_dict({"weight": torch.randn(HIDDEN, generator=g)})  # copied in, cast to the weight's dtype
+    check()
+    norm.variance_epsilon = 0.5
+    check()
+    norm.to(torch.float16)  # x stays bf16: Llama's weight * n promotes the two to fp32
+    assert norm.weight.dtype == torch.float16 and check()[0].dtype == torch.float32
+    with torch.no_grad():
+        norm.variance_epsilon = -1.0
+        with pytest.raises(ValueError, match="fused_add_rms_norm: eps is -1.0"):
+            norm(x, residual=residual)
+        norm.variance_epsilon = 1e-6
+        norm.weight.data = torch.ones(HIDDEN + 1, device=DEVICE, dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"weight has shape \(65,\) but x's last dimension is 64"):
+            norm(x, residual=residual)
+        norm.weight = torch.nn.Parameter(torch.ones(HIDDEN, device="meta", dtype=torch.float16))
+        with pytest.raises(ValueError, match="weight is on meta"):
+            norm(x, residual=residual)
+
+
+def test_bound_launches_follow_the_tuned_plan_table_in_use(monkeypatch):
+    """A tuned table put in use (``tuning.plans_in_use``) drops the bound launches with the plans: a bound call
+    runs the table's plan inside, the default one again after."""
+    from hf_rmsnorm.ops import tuning
+
+    launches = []
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, constexprs, *rest: launches.append(constexprs))
+    x, residual = (torch.randn(3, HIDDEN).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.randn(HIDDEN).to(DEVICE, torch.bfloat16)
+    bound = functional.bound_norm("llama")
+
+    def block_m() -> int:
+        with torch.no_grad():
+            bound.fused_add_norm(x, residual, weight, 1e-6, None)
+            bound.fused_add_norm(x, residual, weight, 1e-6, None)
+        return launches[-1]["BLOCK_M"]
+
+    default = block_m()
+    key = tuning.PlanKey(None, "forward", 2, tuning.width_bucket(HIDDEN, launch.fwd_max_tile_n(2)))
+    with tuning.plans_in_use({key: {"block_m": default // 2}}):
+        assert block_m() == default // 2
+    assert block_m() == default
+
+
+def test_a_bound_norm_records_the_graph_where_autograd_does():
+    """With gradients enabled the call takes the autograd path, whatever was bound without them."""
+    x, residual = (torch.randn(3, HIDDEN).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.randn(HIDDEN).to(DEVICE, torch.bfloat16).requires_grad_()
+    bound = functional.bound_norm("llama")
+    with torch.no_grad():
+        bound.fused_add_norm(x, residual, weight, 1e-6, None)
+        y, _ = bound.fused_add_norm(x, residual, weight, 1e-6, None)
+    assert y.grad_fn is None
+    y, _ = bound.fused_add_norm(x, residual, weight, 1e-6, None)
+    y.float().sum().backward()
+    assert weight.grad is not None

@@ -1,9 +1,10 @@
 """Bad arguments fail with one clear error, the same on every path, before a kernel could read out of bounds.
 
-Every bad case runs through every way into the ops: the public functions without and with autograd, the custom ops
-called directly, their fake implementations (what ``torch.compile`` traces) and a ``torch.compile(fullgraph=True)``
-call; and on both implementations: fp32 tensors run the Triton kernels (in Triton's interpreter on CPU), fp64
-tensors the PyTorch implementation. The message is asserted whole, so it is the same whichever runs.
+Every bad case runs through every way into the ops: the public functions without and with autograd, a call whose
+launch an earlier valid one bound (``BoundNorm``, what a patched norm's repeated calls find), the custom ops called
+directly, their fake implementations (what ``torch.compile`` traces) and a ``torch.compile(fullgraph=True)`` call;
+and on both implementations: fp32 tensors run the Triton kernels (in Triton's interpreter on CPU), fp64 tensors the
+PyTorch implementation. The message is asserted whole, so it is the same whichever runs.
 """
 
 import math
@@ -16,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
 from hf_rmsnorm.ops import reference
-from hf_rmsnorm.ops.functional import fused_add_norm, norm
+from hf_rmsnorm.ops.functional import BoundNorm, fused_add_norm, norm
 from hf_rmsnorm.ops.backend import kernels_interpreted, runs_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -133,9 +134,29 @@ def _faked(a: dict) -> tuple[dict, FakeTensorMode]:
     return {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in a.items()}, mode
 
 
-def _run_forward(path: str, op: str, a: dict):
+_BOUND = {mode: BoundNorm(mode) for mode in ("llama", "layernorm")}
+
+
+def _bound(op: str, a: dict, dtype: torch.dtype):
+    """``op`` as a patched norm calls it (``BoundNorm``, no gradient), after a call with valid arguments of
+    ``dtype`` bound its launch: a call that differs from it only where the binding cannot see finds it bound."""
+    bound = _BOUND["layernorm" if op.endswith("layer_norm") else "llama"]
+
+    def call(a: dict):
+        if op in ("rms_norm", "layer_norm"):
+            return bound.norm(a["x"], a["weight"], a["eps"], a["bias"])
+        return bound.fused_add_norm(a["x"], a["residual"], a["weight"], a["eps"], a["bias"])
+
+    with torch.no_grad():
+        call(_forward_args(dtype))
+        return call(a)
+
+
+def _run_forward(path: str, op: str, a: dict, dtype: torch.dtype):
     if path == "eager":
         return _public(op, a)
+    if path == "bound":
+        return _bound(op, a, dtype)
     if path == "autograd":
         return _public(op, _with_grad(a))
     if path == "custom_op":
@@ -147,7 +168,7 @@ def _run_forward(path: str, op: str, a: dict):
     raise AssertionError(path)
 
 
-FORWARD_PATHS = ["eager", "autograd", "custom_op", "fake"]
+FORWARD_PATHS = ["eager", "autograd", "bound", "custom_op", "fake"]
 FORWARD_OPS = ["rms_norm", "fused_add_rms_norm", "layer_norm", "fused_add_layer_norm"]
 
 
@@ -170,14 +191,14 @@ def dtype(request) -> torch.dtype:
 def test_valid_arguments_pass_every_path(path, dtype):
     """The starting point of every bad case runs; only the change a case makes can fail it."""
     for op in FORWARD_OPS:
-        _run_forward(path, op, _forward_args(dtype))
+        _run_forward(path, op, _forward_args(dtype), dtype)
 
 
 @pytest.mark.parametrize("path", FORWARD_PATHS)
 @pytest.mark.parametrize("case, op", FORWARD_PARAMS)
 def test_bad_forward_arguments_raise_one_clear_error(case, op, path, dtype):
     with pytest.raises(case.error) as excinfo:
-        _run_forward(path, op, _forward_args(dtype, case))
+        _run_forward(path, op, _forward_args(dtype, case), dtype)
     assert str(excinfo.value) == case.expected(op)
 
 
