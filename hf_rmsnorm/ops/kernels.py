@@ -290,16 +290,29 @@ def norm_bwd_kernel(
     partial_row = pid.to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+    if NUM_STAGES > 1:
+        w_kept = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(pid, n_row_blocks, n_programs, num_stages=NUM_STAGES):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
+        if NUM_STAGES > 1:
+            w = w_kept
+        else:
+            # Not pipelined (the widest tiles): the weight is read again per row block (from L1/L2) rather than
+            # held in registers for the whole loop, where it would be one more live tile beside the row's.
+            w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
         rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        # The weight (and bias) gradient first: dy and the weighted row are then dead before the row reductions,
+        # instead of live across them beside g and n (at 16384 bf16 elements that spilled 200-344 bytes).
+        if HAS_WEIGHT:
+            dw_acc += dy * n_weighted
+        if HAS_BIAS:
+            db_acc += dy
         if CENTER:
             g_mean = tl.sum(g, axis=1) / n_cols
         else:
@@ -307,10 +320,6 @@ def norm_bwd_kernel(
         dx = _input_grad(g, n, tl.sum(g * n, axis=1) / n_cols, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES)
-        if HAS_WEIGHT:
-            dw_acc += dy * n_weighted
-        if HAS_BIAS:
-            db_acc += dy
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:

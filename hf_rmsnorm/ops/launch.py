@@ -24,13 +24,20 @@ from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
 # fp32 ones); wider rows loop over column blocks of LOOP_BLOCK_N. Forward: 32768 bf16 elements compile without
 # spills at 16 warps (offline, sm_80 and sm_90, Triton 3.9: 110-128 registers); fp32 rows of 32768 spill 8-24
-# bytes there, so fp32 stops at 16384. Backward: it keeps about four fp32 values live per element (the weight,
-# its gradient's accumulator, dy and the row), and a 16384-wide tile spills 136-568 bytes a thread (sm_90,
-# Triton 3.9, 16 warps); Liger-Kernel's backward runs exactly such a tile (16 warps, one program per SM, the weight
-# gradient in registers) at 2.1x the speed of the looped kernel on an H100 (BENCHMARKS.md, run 3), so bf16 rows of
-# 16384 take the single tile too (not yet timed in ours) and fp32 stops at 8192.
+# bytes there, so fp32 stops at 16384. Backward: bf16 rows of 16384 (Liger-Kernel's backward runs such a tile at
+# 16 warps, one program per SM, the weight gradient in registers, at 2.1x the speed of our looped kernel on an
+# H100: BENCHMARKS.md, run 3), fp32 rows of 8192; and within that, only as wide as bwd_max_tile_n's register rule.
 FWD_MAX_TILE_BYTES = 65536
 BWD_MAX_TILE_BYTES = 32768
+# The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions:
+# the gradient at the normalised row g and the normalised row n, and one accumulator per parameter gradient
+# (weight, bias); centring (LayerNorm) and the weight offset (Gemma's 1 + w) cost one more each, as the compilers
+# allocate them. At most BWD_TILE_LIVE_VALUES such values fit in a program's registers (16 warps at ptxas's 128
+# registers a thread hold 65536) with room for addresses and the reductions: offline (Triton 3.6 and 3.9, sm_80
+# and sm_90, BENCHMARKS.md) every variant within it spills at most 64 bytes a thread, and the variants of four
+# tiles at 16384 (a bias, centring, the offset) spill 72-288 bytes on sm_90, so they take the wide kernels there.
+BWD_TILE_LIVE_VALUES = 3 * 16384
+BWD_BASE_LIVE_TILES = 3  # g, n and the weight gradient's accumulator: an RMSNorm with a weight, no bias
 LOOP_BLOCK_N = 4096
 # Elements per program for narrow rows: several rows share a program so each has enough work.
 TARGET_TILE_ELEMENTS = 4096
@@ -67,9 +74,16 @@ def fwd_max_tile_n(elem_bytes: int) -> int:
     return FWD_MAX_TILE_BYTES // elem_bytes
 
 
-def bwd_max_tile_n(elem_bytes: int) -> int:
-    """The backward's widest single tile, in elements of ``elem_bytes`` bytes."""
-    return BWD_MAX_TILE_BYTES // elem_bytes
+def bwd_live_tiles(has_weight: bool, has_bias: bool, mode: Mode) -> int:
+    """The fp32 values the single-tile backward keeps live per element of its tile (``BWD_TILE_LIVE_VALUES``)."""
+    return 2 + has_weight + has_bias + mode.centre + (mode.weight_offset != 0)
+
+
+def bwd_max_tile_n(elem_bytes: int, live_tiles: int = BWD_BASE_LIVE_TILES) -> int:
+    """The backward's widest single tile, in elements of ``elem_bytes`` bytes, for a variant keeping ``live_tiles``
+    fp32 values live per element (``bwd_live_tiles``): a power of two."""
+    by_registers = 1 << ((BWD_TILE_LIVE_VALUES // live_tiles).bit_length() - 1)
+    return min(BWD_MAX_TILE_BYTES // elem_bytes, by_registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,15 +124,21 @@ def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> Tilin
 
 @reads_tuned_plans
 @functools.lru_cache(maxsize=None)
-def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
+def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None,
+                  live_tiles: int = BWD_BASE_LIVE_TILES) -> TilingPlan:
     """The backward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the widest of the loaded
-    activations: ``dy``, the norm's input, ``dsum``) on ``arch``, with the tuned table's entry applied as in
-    ``forward_plan``. Rows up to ``bwd_max_tile_n`` are one tile; wider rows take the two wide kernels
-    (``row_dot_kernel``, then ``column_bwd_kernel`` over column blocks of ``LOOP_BLOCK_N``). Either's row loop
-    is pipelined where its staging buffers fit; the plan's tile is the one the row loop stages."""
-    max_tile_n = bwd_max_tile_n(elem_bytes)
-    key = PlanKey(arch, "backward", elem_bytes, width_bucket(n_cols, max_tile_n))
+    activations: ``dy``, the norm's input, ``dsum``) on ``arch``, for a variant keeping ``live_tiles`` fp32 values
+    live per element (``bwd_live_tiles``), with the tuned table's entry applied as in ``forward_plan``. Rows up to
+    ``bwd_max_tile_n`` are one tile; wider rows take the two wide kernels (``row_dot_kernel``, then
+    ``column_bwd_kernel`` over column blocks of ``LOOP_BLOCK_N``). Either's row loop is pipelined where its
+    staging buffers fit; the plan's tile is the one the row loop stages. The table's width bucket of a single tile
+    is its width; every wider row, whatever made it wider than its variant's tile, shares the wide kernels' one
+    bucket (``width_bucket`` of the widest tile of any variant)."""
+    max_tile_n = bwd_max_tile_n(elem_bytes, live_tiles)
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
+    widest_tile_n = bwd_max_tile_n(elem_bytes)
+    key = PlanKey(arch, "backward", elem_bytes,
+                  width_bucket(n_cols, widest_tile_n) if single_tile else 2 * widest_tile_n)
     if single_tile:
         num_warps = BWD_SINGLE_TILE_WARPS
     stage_bytes = BWD_LOADED_TENSORS * block_m * block_n * elem_bytes
@@ -300,7 +320,9 @@ def norm_backward(
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
     n_rows = norm_input.numel() // n_cols if n_cols else 0
     elem_bytes = max(t.element_size() for t in (dy, norm_input, dsum) if t is not None)
-    plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()))
+    m = get_mode(mode)
+    plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()),
+                         bwd_live_tiles(weight is not None, bias_dtype is not None, m))
     n_row_blocks = _cdiv(n_rows, plan.block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = None if weight is None else torch.zeros_like(weight)
@@ -325,7 +347,7 @@ def norm_backward(
     weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
     stats = stats.contiguous()
     dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
-    flags = get_mode(mode).kernel_flags
+    flags = m.kernel_flags
     gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
                      HAS_BIAS=bias_dtype is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                      NUM_STAGES=plan.num_stages)

@@ -463,6 +463,22 @@ def test_backward_plan_at_every_threshold(n_cols, elem_bytes):
         assert plan.num_stages > 1
 
 
+@pytest.mark.parametrize("mode, has_bias, single_tile_at_16384", [
+    ("llama", False, True), ("fp32_affine", False, True), ("layernorm_as_rmsnorm", False, True),
+    ("llama", True, False), ("fp32_affine", True, False), ("gemma", False, False), ("layernorm", False, False),
+    ("layernorm", True, False),
+])
+def test_backward_variants_that_would_spill_take_the_wide_kernels(mode, has_bias, single_tile_at_16384):
+    """The bf16 single tile reaches 16384 only for the variants that keep three fp32 values live per element (g, n,
+    the weight gradient): one more (a bias gradient, centring, Gemma's offset) would spill, so those rows take the
+    wide kernels, while every variant keeps the tiles of 8192 (bf16 and fp32)."""
+    live = launch.bwd_live_tiles(True, has_bias, MODES[mode])
+    assert launch.backward_plan(16384, 2, None, live).single_tile == single_tile_at_16384
+    assert all(launch.backward_plan(8192, elem_bytes, None, live).single_tile for elem_bytes in (2, 4))
+    if not single_tile_at_16384:
+        assert launch.backward_plan(16384, 2, None, live) == launch.backward_plan(32768, 2)
+
+
 @pytest.mark.parametrize("n_cols", [8191, 8192, 8193, 16384, 16385])
 def test_backward_at_the_tile_thresholds(n_cols):
     """Just below, at and above the single-tile limit and the next power of two, against eager and fp64."""

@@ -99,6 +99,16 @@ def test_an_entry_applies_to_its_architecture_element_size_and_bucket_only(kerne
     assert plan(4096, elem_bytes, ARCH) == plan(4096, elem_bytes)  # the installed table is in use again
 
 
+def test_rows_wider_than_their_variants_tile_share_the_wide_kernels_bucket():
+    """A LayerNorm with a bias at 16384 bf16 elements takes the wide kernels (its tile would spill): it reads the
+    entry of the wide kernels' bucket, not that of the single tile of the same width."""
+    live = launch.bwd_live_tiles(True, True, launch.get_mode("layernorm"))
+    wide = 2 * launch.bwd_max_tile_n(2)
+    with _in_use(_entry("backward", 2, wide, num_warps=4), _entry("backward", 2, 16384, num_warps=32)):
+        assert launch.backward_plan(16384, 2, ARCH, live).num_warps == 4
+        assert launch.backward_plan(16384, 2, ARCH).num_warps == 32
+
+
 def test_launches_and_the_inspection_take_the_tuned_plan():
     """launch.py's own host code, through the inspection's recorder, for the architecture being inspected."""
     forward = _entry("forward", 2, 512, block_m=2, num_warps=2)
