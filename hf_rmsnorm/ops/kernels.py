@@ -70,12 +70,14 @@ def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL:
 def _scale_and_store(
     s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
     NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr, STREAMED: tl.constexpr = False,
 ):
     """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
     weight ``y = norm(s) (+ b)`` in every mode. With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
     ``y`` is rounded to ``Y``'s dtype and the residual tile added, rounded as torch rounds the add.
-    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below)."""
+    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below).
+    ``STREAMED`` (the looped forward's last pass): ``y`` and the residual tile are not read again by this kernel,
+    so they leave L2 first, ahead of the rows other programs still re-read."""
     y = s * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -94,10 +96,12 @@ def _scale_and_store(
             y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one
         y = y + b[None, :]
     if ADD_AFTER:
-        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first" if STREAMED else "").to(tl.float32)
         # The opaque 1.0 again: without it a rounded product and this add could become one half-precision FMA.
         y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one + r
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask,
+             eviction_policy="evict_first" if STREAMED else "")
 
 
 @triton.jit
@@ -109,23 +113,28 @@ def norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
-    STORE_STATS: tl.constexpr,
+    STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One program normalises ``BLOCK_M`` rows. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
+    """Normalises rows ``BLOCK_M`` at a time. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
     layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
     the residual sum (unused without residual); ``STATS`` holds ``rstd`` for every row, followed by the row means
-    when ``CENTER``, written only with ``STORE_STATS`` (the backward's input: inference passes None)."""
+    when ``CENTER``, written only with ``STORE_STATS`` (the backward's input: inference passes None).
+
+    Rows of one tile (``SINGLE_TILE``): one program per row block. Wider rows: a persistent grid, program ``p``
+    of ``P`` normalising row blocks ``p, p + P, ...`` (``launch.forward_grid`` sizes ``P`` so that the rows in
+    flight fit in L2, where their second pass finds them), each row in passes over column blocks, the first one
+    pipelined over ``NUM_STAGES`` column blocks (``tl.range``: asynchronous copies on sm_80 and later)."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
     runtime_one = eps * 0.0 + 1.0  # eps is finite (checked on the host); the compiler cannot fold this
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < n_rows
     if HAS_RESIDUAL:
         NORM_DTYPE: tl.constexpr = SUM_OUT.dtype.element_ty
     else:
         NORM_DTYPE: tl.constexpr = X.dtype.element_ty
 
     if SINGLE_TILE:
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
@@ -142,53 +151,84 @@ def norm_fwd_kernel(
         _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
                          runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
                          ADD_AFTER)
+        if STORE_STATS:
+            _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
     else:
-        # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
+        for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < n_rows
+            _normalise_looped_rows(
+                X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
+                stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, CENTER, BLOCK_M, BLOCK_N,
+                ADD_AFTER, STORE_STATS, NUM_STAGES)
+
+
+@triton.jit
+def _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER: tl.constexpr):
+    """``rstd`` into ``STATS[rows]`` and, when ``CENTER``, the mean into ``STATS[n_rows + rows]``."""
+    tl.store(STATS + rows, rstd, mask=row_mask)
+    if CENTER:
+        tl.store(STATS + n_rows + rows, mean, mask=row_mask)
+
+
+@triton.jit
+def _normalise_looped_rows(
+    X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
+    stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """One block of rows wider than a tile, in passes over column blocks: the first writes the residual sum and
+    accumulates the sum of squares (the sum, when centring), pipelined; the last re-reads the norm's input,
+    which the first has just brought into L2, and writes the output. The pipelined loads are asynchronous copies,
+    which drop the eviction hints: what keeps the rows in L2 is the grid's budget of rows in flight."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+                               HAS_RESIDUAL, READ_AGAIN=True)
+        if CENTER:
+            acc += s
+        else:
+            acc += s * s
+    # Later passes read back the sum other threads of this program wrote in the first.
+    tl.debug_barrier()
+    if CENTER:
+        # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
+        # with the corrected two-pass algorithm's correction of the mean's rounding error.
+        mean = tl.sum(acc, axis=1) / n_cols
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
-                                   HAS_RESIDUAL, READ_AGAIN=True)
-            if CENTER:
-                acc += s
-            else:
-                acc += s * s
-        # Later passes read back the sum other threads of this program wrote in the first.
-        tl.debug_barrier()
+            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
+            s = tl.where(mask, s - mean[:, None], 0.0)
+            deviation += s
+            acc += s * s
+        correction = tl.sum(deviation, axis=1) / n_cols
+        mean += correction
+        variance = tl.sum(acc, axis=1) / n_cols - correction * correction
+    else:
+        variance = tl.sum(acc, axis=1) / n_cols
+        mean = variance  # not read without CENTER
+    rstd = tl.math.rsqrt(variance + eps)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
         if CENTER:
-            # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
-            # with the corrected two-pass algorithm's correction of the mean's rounding error.
-            mean = tl.sum(acc, axis=1) / n_cols
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < n_cols)[None, :]
-                s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
-                s = tl.where(mask, s - mean[:, None], 0.0)
-                deviation += s
-                acc += s * s
-            correction = tl.sum(deviation, axis=1) / n_cols
-            mean += correction
-            variance = tl.sum(acc, axis=1) / n_cols - correction * correction
-        else:
-            variance = tl.sum(acc, axis=1) / n_cols
-        rstd = tl.math.rsqrt(variance + eps)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
-            if CENTER:
-                s = s - mean[:, None]
-            _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                             runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                             ADD_AFTER)
+            s = s - mean[:, None]
+        _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                         ADD_AFTER, STREAMED=True)
     if STORE_STATS:
-        tl.store(STATS + rows, rstd, mask=row_mask)
-        if CENTER:
-            tl.store(STATS + n_rows + rows, mean, mask=row_mask)
+        _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER)
 
 
 @triton.jit

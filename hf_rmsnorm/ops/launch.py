@@ -65,8 +65,17 @@ SMEM_PER_SM_BYTES = 228 * 1024
 REDUCE_BLOCK_N = 64
 REDUCE_BLOCK_P = 32
 REDUCE_NUM_WARPS = 4
-# The interpreter runs programs one after another; a few are enough to exercise the partial sums.
-INTERPRET_BWD_PROGRAMS = 3
+# The looped forward (rows wider than its tile) re-reads each row's norm input, which its first pass has just
+# written or read, from L2: its persistent grid keeps at most FWD_REREAD_L2_SHARE of the L2 in rows in flight (the
+# streamed lines, x, the residual and y, pass through the rest), but never fewer programs than SMs. A non-persistent
+# grid kept about 6 programs an SM busy on an H100, 52 MB of rows to re-read against 50 MB of L2, and reached 77%
+# of the copy bandwidth at hidden 65536 (BENCHMARKS.md, run 3). Its first pass is pipelined over
+# FWD_LOOP_STAGES column blocks.
+FWD_REREAD_L2_SHARE = 0.5
+FWD_LOOP_STAGES = 3
+# The interpreter runs programs one after another; a few are enough to exercise the persistent grids (the
+# backward's partial sums, the looped forward's row striding).
+INTERPRET_PROGRAMS = 3
 
 
 def fwd_max_tile_n(elem_bytes: int) -> int:
@@ -106,8 +115,11 @@ class TilingPlan(NamedTuple):
     block_n: int
     single_tile: bool
     num_warps: int
-    num_stages: int  # row blocks in flight in the backward's pipelined row loop; 1: not pipelined
-    programs_per_sm: int | None  # the backward's persistent grid; None: one program per row block (the forward)
+    # Loads in flight in the pipelined loop (the backward's rows; the looped forward's first pass over the columns,
+    # not tunable); 1: not pipelined.
+    num_stages: int
+    # The backward's persistent grid; None for the forward (forward_grid: by row blocks, or by L2 when looped).
+    programs_per_sm: int | None
 
 
 @reads_tuned_plans
@@ -118,7 +130,7 @@ def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> Tilin
     entry for ``arch`` applied where it has one. Rows up to ``fwd_max_tile_n`` are one tile."""
     max_tile_n = fwd_max_tile_n(elem_bytes)
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
-    default = TilingPlan(block_m, block_n, single_tile, num_warps, 1, None)
+    default = TilingPlan(block_m, block_n, single_tile, num_warps, 1 if single_tile else FWD_LOOP_STAGES, None)
     return tuned(default, PlanKey(arch, "forward", elem_bytes, width_bucket(n_cols, max_tile_n)))
 
 
@@ -194,6 +206,26 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def forward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, elem_bytes: int, device_index: int) -> int:
+    """Programs of a forward launch of ``n_rows`` rows of ``n_cols`` elements of ``elem_bytes`` bytes (the norm's
+    input, which the looped kernel re-reads) tiled as ``tiling`` (``forward_plan``) on GPU ``device_index`` (-1:
+    the interpreter). Rows of one tile: one program per row block. Wider rows: a persistent grid of as many
+    programs as keep ``FWD_REREAD_L2_SHARE`` of the GPU's L2 in rows in flight (one row block each), at least one
+    per SM, at most one per row block; in the interpreter, ``INTERPRET_PROGRAMS``."""
+    n_row_blocks = _cdiv(n_rows, tiling.block_m)
+    if tiling.single_tile:
+        return n_row_blocks
+    if device_index < 0:
+        return min(n_row_blocks, INTERPRET_PROGRAMS)
+    in_flight = int(FWD_REREAD_L2_SHARE * _l2_bytes(device_index)) // (tiling.block_m * n_cols * elem_bytes)
+    return min(n_row_blocks, max(_sm_count(device_index), in_flight))
+
+
 def _as_rows(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
     """``t`` as rows of ``n_cols`` with a contiguous last dim, and the row stride; copies only when no such
     view exists. A contiguous tensor (the common case) goes through untouched: a view costs a microsecond."""
@@ -219,7 +251,7 @@ class _ForwardPlan(NamedTuple):
     mode: Mode
     y_dtype: torch.dtype
     norm_dtype: torch.dtype
-    block_m: int
+    tiling: TilingPlan
     num_warps: int
     constexprs: dict
 
@@ -239,8 +271,8 @@ def _forward_plan(x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weig
     constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                       HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
                       BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
-                      ADD_AFTER=add_after, STORE_STATS=store_stats)
-    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, tiling.block_m,
+                      ADD_AFTER=add_after, STORE_STATS=store_stats, NUM_STAGES=tiling.num_stages)
+    return _ForwardPlan(m, m.output_dtype_of(norm_dtype, weight_dtype, bias_dtype), norm_dtype, tiling,
                         tiling.num_warps, constexprs)
 
 
@@ -282,7 +314,7 @@ def norm_forward(
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
     # Outputs are fresh and contiguous: their row stride is n_cols.
-    grid = _cdiv(n_rows, plan.block_m)
+    grid = forward_grid(plan.tiling, n_rows, n_cols, plan.norm_dtype.itemsize, x.get_device())
     args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
     if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
         _launch(wrap_triton(norm_fwd_kernel), grid, args, plan.constexprs, plan.num_warps)
@@ -330,7 +362,7 @@ def norm_backward(
         return dx, dres, dweight, dbias
 
     # Triton's interpreter (launch.py only runs on the CPU there) runs programs one after another: a few do.
-    slots = INTERPRET_BWD_PROGRAMS if not dy.is_cuda else _sm_count(device.index or 0) * plan.programs_per_sm
+    slots = INTERPRET_PROGRAMS if not dy.is_cuda else _sm_count(device.index or 0) * plan.programs_per_sm
     if plan.single_tile:
         n_partials = grid = min(n_row_blocks, slots)
     else:

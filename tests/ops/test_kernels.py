@@ -434,6 +434,44 @@ def test_widest_supported_row(mode):
         assert _max_err(g, g64) <= 1e-2 * g64.abs().max().item()
 
 
+def test_the_looped_forward_keeps_its_rows_in_flight_within_half_the_l2(monkeypatch):
+    """Rows wider than the forward's tile: as many programs as keep FWD_REREAD_L2_SHARE of the L2 in rows to
+    re-read, at least one per SM, at most one per row; one program per row block for single tiles."""
+    monkeypatch.setattr(launch, "_l2_bytes", lambda _index: 50 * 2**20)
+    monkeypatch.setattr(launch, "_sm_count", lambda _index: 132)
+    looped, single = launch.forward_plan(65536, 2), launch.forward_plan(4096, 2)
+    assert not looped.single_tile and looped.num_stages == launch.FWD_LOOP_STAGES
+    assert launch.forward_grid(looped, 16384, 65536, 2, 0) == int(launch.FWD_REREAD_L2_SHARE * 50 * 2**20) // 2**17
+    assert launch.forward_grid(looped, 100, 65536, 2, 0) == 100
+    assert launch.forward_grid(launch.forward_plan(65536, 4), 16384, 65536, 4, 0) == 132  # fewer fit than SMs
+    assert launch.forward_grid(single, 16384, 4096, 2, 0) == 16384 // single.block_m
+    assert launch.forward_grid(looped, 16384, 65536, 2, -1) == launch.INTERPRET_PROGRAMS  # the interpreter
+
+
+@pytest.mark.parametrize("mode", ["llama", "layernorm"])
+def test_looped_forward_programs_stride_over_more_rows_than_there_are_programs(mode):
+    """7 rows of 40000 (looped) on the interpreter's 3 programs: each program normalises rows p, p + 3, ...; every
+    row's sum, output and statistics are those of the row normalised alone, and within a rounding of fp64."""
+    n_rows, n_cols = 7, 40000
+    x = _randn(n_rows, n_cols, dtype=torch.bfloat16, seed=80).requires_grad_()
+    r = _randn(n_rows, n_cols, dtype=torch.bfloat16, scale=3, seed=81) + 1
+    weight = _randn(n_cols, dtype=torch.bfloat16, scale=0.2, seed=82) + 1
+    bias = _randn(n_cols, dtype=torch.bfloat16, seed=83) if mode == "layernorm" else None
+    assert launch.forward_grid(launch.forward_plan(n_cols, 2), n_rows, n_cols, 2, -1) < n_rows
+    y, s, stats = launch.norm_forward(x.detach(), r, weight, bias, EPS, mode)
+    assert torch.equal(s, r + x.detach())
+    for row in range(n_rows):
+        y1, _, stats1 = launch.norm_forward(x.detach()[row:row + 1], r[row:row + 1], weight, bias, EPS, mode)
+        assert torch.equal(y[row], y1[0]) and torch.equal(stats[..., row], stats1[..., 0])
+    s64 = s.double()
+    if mode == "layernorm":
+        s64 = s64 - s64.mean(-1, keepdim=True)
+    exact = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    exact = exact if bias is None else exact + bias.double()
+    # One rounding of the normalised row (bf16 in "llama" mode, the output in "layernorm" mode).
+    assert _max_err(y, exact) <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+
+
 def test_weight_gradient_is_deterministic():
     x = _randn(37, 300, dtype=torch.bfloat16, seed=39).requires_grad_()
     weight = _randn(300, dtype=torch.bfloat16, seed=40).requires_grad_()
@@ -530,7 +568,7 @@ def test_weight_gradient_with_many_backward_programs(monkeypatch):
     weight = _randn(96, seed=78).requires_grad_()
     dy = _randn(40, 96, seed=79)
     few = _grads(rms_norm(x, weight, EPS), (x, weight), (dy,))
-    monkeypatch.setattr(launch, "INTERPRET_BWD_PROGRAMS", 1000)
+    monkeypatch.setattr(launch, "INTERPRET_PROGRAMS", 1000)
     many = _grads(rms_norm(x, weight, EPS), (x, weight), (dy,))
     assert torch.equal(few[0], many[0])
     torch.testing.assert_close(many[1], few[1], rtol=1e-6, atol=1e-6)
