@@ -17,8 +17,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
-from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel, sum_partials_kernel
-from .modes import Mode, dtype_of, get_mode, sum_dtype
+from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
+from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
@@ -29,15 +29,16 @@ from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 # H100: BENCHMARKS.md, run 3), fp32 rows of 8192; and within that, only as wide as bwd_max_tile_n's register rule.
 FWD_MAX_TILE_BYTES = 65536
 BWD_MAX_TILE_BYTES = 32768
-# The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions:
-# the gradient at the normalised row g and the normalised row n, and one accumulator per parameter gradient
-# (weight, bias); centring (LayerNorm) and the weight offset (Gemma's 1 + w) cost one more each, as the compilers
-# allocate them. At most BWD_TILE_LIVE_VALUES such values fit in a program's registers (16 warps at ptxas's 128
-# registers a thread hold 65536) with room for addresses and the reductions: offline (Triton 3.6 and 3.9, sm_80
-# and sm_90, BENCHMARKS.md) every variant within it spills at most 64 bytes a thread, and the variants of four
-# tiles at 16384 (a bias, centring, the offset) spill 72-288 bytes on sm_90, so they take the wide kernels there.
-BWD_TILE_LIVE_VALUES = 3 * 16384
-BWD_BASE_LIVE_TILES = 3  # g, n and the weight gradient's accumulator: an RMSNorm with a weight, no bias
+# The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions: the
+# gradient at the normalised row g and one accumulator per parameter gradient (weight, bias), and one more when
+# centring (LayerNorm), as the compilers allocate them; the widest tiles, whose row loop is not pipelined, read the
+# normalised row again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values
+# fit in a program's registers (16 warps at ptxas's 128 registers a thread hold 65536) with room for addresses and
+# the reductions: offline (Triton 3.6 and 3.9, sm_80 and sm_90, BENCHMARKS.md) the variants within it spill at
+# most 64 bytes a thread, while three values per element at 16384 (a bias gradient, or centring) spill up to 120
+# (640 for LayerNorm with a bias), so those rows take the wide kernels.
+BWD_TILE_LIVE_VALUES = 2 * 16384
+BWD_BASE_LIVE_TILES = 2  # g and the weight gradient's accumulator: an RMSNorm with a weight, no bias
 LOOP_BLOCK_N = 4096
 # Elements per program for narrow rows: several rows share a program so each has enough work.
 TARGET_TILE_ELEMENTS = 4096
@@ -61,10 +62,6 @@ BWD_MAX_PROGRAMS_PER_SM = 4
 BWD_REGISTERS_PER_THREAD = 128
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM_BYTES = 228 * 1024
-# The weight-gradient reduction: columns per program, partial rows added per step, warps.
-REDUCE_BLOCK_N = 64
-REDUCE_BLOCK_P = 32
-REDUCE_NUM_WARPS = 4
 # The looped forward (rows wider than its tile) re-reads each row's norm input, which its first pass has just
 # written or read, from L2: its persistent grid keeps at most FWD_REREAD_L2_SHARE of the L2 in rows in flight (the
 # streamed lines, x, the residual and y, pass through the rest), but never fewer programs than SMs. A non-persistent
@@ -85,7 +82,7 @@ def fwd_max_tile_n(elem_bytes: int) -> int:
 
 def bwd_live_tiles(has_weight: bool, has_bias: bool, mode: Mode) -> int:
     """The fp32 values the single-tile backward keeps live per element of its tile (``BWD_TILE_LIVE_VALUES``)."""
-    return 2 + has_weight + has_bias + mode.centre + (mode.weight_offset != 0)
+    return 1 + has_weight + has_bias + mode.centre
 
 
 def bwd_max_tile_n(elem_bytes: int, live_tiles: int = BWD_BASE_LIVE_TILES) -> int:
@@ -169,7 +166,7 @@ def is_traced(t: torch.Tensor) -> bool:
 
 
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel, sum_partials_kernel)}
+                                                              column_bwd_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
@@ -185,10 +182,8 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, pl
         kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
         return
     # Triton launches on the current GPU: switch to the first tensor's own (models split across GPUs) only when
-    # it is another one. A CPU tensor (the interpreter) has device -1. The first argument is a tensor but where
-    # an optional one is absent (the weight-gradient reduction of a norm with a bias and no weight).
-    first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
-    device = first.get_device()
+    # it is another one. A CPU tensor (the interpreter) has device -1. Every kernel's first argument is a tensor.
+    device = args[0].get_device()
     if device < 0 or device == torch.cuda.current_device():
         launcher(grid, device, args, constexprs, num_warps, plan, varying)
         return
@@ -330,6 +325,24 @@ def norm_forward(
     return y, new_residual, stats
 
 
+def backward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, device_index: int) -> tuple[int, int, int]:
+    """``(programs, partial rows, rows per group)`` of a backward launch of ``n_rows`` rows of ``n_cols`` elements
+    tiled as ``tiling`` (``backward_plan``) on GPU ``device_index`` (-1: the interpreter, which runs programs one
+    after another: ``INTERPRET_PROGRAMS`` do). The persistent grid holds ``tiling.programs_per_sm`` programs an SM.
+    A single tile: one program and one partial row per slot, at most one per row block (rows per group: 0, unused).
+    Wider rows: row groups of ``rows per group`` rows (a multiple of the tile's rows) times column blocks fill the
+    slots, each group writing one partial row."""
+    n_row_blocks = _cdiv(n_rows, tiling.block_m)
+    slots = INTERPRET_PROGRAMS if device_index < 0 else _sm_count(device_index) * tiling.programs_per_sm
+    if tiling.single_tile:
+        n_partials = min(n_row_blocks, slots)
+        return n_partials, n_partials, 0
+    n_col_blocks = _cdiv(n_cols, tiling.block_n)
+    rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * tiling.block_m
+    n_partials = _cdiv(n_rows, rows_per_group)
+    return n_partials * n_col_blocks, n_partials, rows_per_group
+
+
 def norm_backward(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,
@@ -341,10 +354,13 @@ def norm_backward(
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the backward kernels (``norm_bwd_kernel`` for rows of one tile; ``row_dot_kernel`` then
-    ``column_bwd_kernel`` for wider ones), then ``sum_partials_kernel`` for the weight (and bias) gradient. Returns
+    """Runs the backward: ``norm_bwd_kernel`` for rows of one tile, one launch; ``row_dot_kernel`` then
+    ``column_bwd_kernel`` for wider ones. Either's last program(s) sum the weight (and bias) gradient. Returns
     ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
-    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight."""
+    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight.
+
+    ``stats`` must be as a forward returned them, their counters zero (``modes.STATS_SYNC_SLOTS``; autograd
+    always passes them so): the kernels count on them and leave them zero again."""
     shape = norm_input.shape
     n_cols = int(shape[-1])  # concrete, as in the forward
     device = norm_input.device
@@ -361,23 +377,20 @@ def norm_backward(
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
         return dx, dres, dweight, dbias
 
-    # Triton's interpreter (launch.py only runs on the CPU there) runs programs one after another: a few do.
-    slots = INTERPRET_PROGRAMS if not dy.is_cuda else _sm_count(device.index or 0) * plan.programs_per_sm
-    if plan.single_tile:
-        n_partials = grid = min(n_row_blocks, slots)
-    else:
-        # Row groups times column blocks fill the slots; each group writes one row of partial sums.
-        n_col_blocks = _cdiv(n_cols, plan.block_n)
-        rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * plan.block_m
-        n_partials = _cdiv(n_rows, rows_per_group)
-        grid = n_partials * n_col_blocks
+    grid, n_partials, rows_per_group = backward_grid(plan, n_rows, n_cols, dy.get_device())
     dw_partial = None if weight is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
     db_partial = None if bias_dtype is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
+    dweight = None if weight is None else torch.empty_like(weight)
+    dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
 
     dy2, stride_dy = _as_rows(dy, n_cols)
     s2, stride_s = _as_rows(norm_input, n_cols)
     weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
     stats = stats.contiguous()
+    # The counters the kernels count on: the statistics' own (modes.STATS_SYNC_SLOTS), or, while torch.compile
+    # traces the launch, fresh zeros: the statistics are an input of the traced backward graph, and torch's
+    # analysis of the kernel would find them written and copy them back.
+    sync = torch.zeros(STATS_SYNC_SLOTS, dtype=stats.dtype, device=device) if is_traced(dy) else stats
     dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
     flags = m.kernel_flags
     gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
@@ -386,7 +399,7 @@ def norm_backward(
     if plan.single_tile:
         _launch(
             wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, grid,
-            (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
+            (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
              n_rows, n_cols, n_row_blocks,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,
@@ -402,20 +415,9 @@ def norm_backward(
         )
         _launch(
             wrap_triton(column_bwd_kernel) if is_traced(dy) else column_bwd_kernel, grid,
-            (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial,
-             n_rows, n_cols, n_col_blocks, rows_per_group,
+            (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
+             n_rows, n_cols, _cdiv(n_cols, plan.block_n), rows_per_group,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,
-        )
-    dweight = None if weight is None else torch.empty_like(weight)
-    dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
-    if dweight is not None or dbias is not None:
-        _launch(
-            wrap_triton(sum_partials_kernel) if is_traced(dy) else sum_partials_kernel,
-            _cdiv(n_cols, REDUCE_BLOCK_N),
-            (dw_partial, db_partial, dweight, dbias, n_partials, n_cols),
-            dict(HAS_WEIGHT=dweight is not None, HAS_BIAS=dbias is not None, BLOCK_P=REDUCE_BLOCK_P,
-                 BLOCK_N=REDUCE_BLOCK_N),
-            REDUCE_NUM_WARPS,
         )
     return dx, dres, dweight, dbias
