@@ -83,3 +83,15 @@ def backward_reference(
     dweight = None if weight is None else (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
     dbias = dy2.sum(0) if has_bias else None
     return dx, dweight, dbias
+
+
+def error_beyond_bound(ours: torch.Tensor, baseline: torch.Tensor, exact: torch.Tensor) -> float:
+    """How far ``ours`` is from the project's accuracy rule, against the fp64 truth ``exact``: its largest error
+    may be no more than 1% over ``baseline``'s (the model's own module in the kernel tests; the default plan in
+    the tuner), where an error of one unit in the last place of ``ours``'s dtype at the largest magnitude of
+    ``exact`` always passes, plus 1e-6 of that magnitude (fp32 reductions summed in another order than the
+    baseline's). Zero or less: within the rule; more: by how much it is beyond."""
+    scale = exact.abs().max().item()
+    error = (ours.double() - exact.double()).abs().max().item()
+    baseline_error = (baseline.double() - exact.double()).abs().max().item()
+    return error - (max(baseline_error, torch.finfo(ours.dtype).eps * scale) * 1.01 + 1e-6 * scale)
