@@ -27,10 +27,30 @@ million tokens of width 8192 cannot overflow.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable
+
 import triton
 import triton.language as tl
 
 from .modes import STATS_SYNC_SLOTS
+
+# The kernels' arguments that carry the row count (or follow from it). Triton compiles no variant of a kernel for
+# their values, as it would otherwise (an integer equal to 1 becomes a constant, one divisible by 16 an alignment
+# fact): a row runs the same compiled code whatever the batch it is in, only the integers' width following their
+# size (docs/numerics.md, "Batch invariance").
+ROW_COUNT_ARGS = ("n_rows", "n_row_blocks", "rows_per_group")
+
+
+def row_count_args(fn: Callable[..., Any]) -> list[str]:
+    """The parameters of the kernel function ``fn`` that carry the row count (``ROW_COUNT_ARGS``)."""
+    return [name for name in inspect.signature(fn).parameters if name in ROW_COUNT_ARGS]
+
+
+def _jit_unspecialised_on_rows(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``, not specialised on the row count's value (``ROW_COUNT_ARGS``)."""
+    return triton.jit(fn, do_not_specialize=row_count_args(fn))
+
 
 # The int32 counters at the start of the statistics (modes.STATS_SYNC_SLOTS), by index: the backward's programs
 # that have started, that have written their partial weight-gradient rows, the column pieces of the final sum
@@ -120,7 +140,7 @@ def _scale_and_store(
              eviction_policy="evict_first" if STREAMED else "")
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def norm_fwd_kernel(
     X, RESIDUAL, W, B, Y, SUM_OUT, STATS,
     n_rows, n_cols,
@@ -334,7 +354,7 @@ def _store_input_grad(
         tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def norm_bwd_kernel(
     DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_row_blocks,
@@ -405,7 +425,7 @@ def norm_bwd_kernel(
     _sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, n_programs, n_cols, HAS_WEIGHT, HAS_BIAS)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def row_dot_kernel(
     DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
@@ -437,7 +457,7 @@ def row_dot_kernel(
         tl.store(ROW_MEANS + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def column_bwd_kernel(
     DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_col_blocks, rows_per_group,

@@ -473,6 +473,78 @@ def test_looped_forward_programs_stride_over_more_rows_than_there_are_programs(m
     assert _max_err(y, exact) <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
 
 
+# ---------------------------------------------------------------------------------------- batch invariance
+# A row's output and input gradient are bitwise independent of how many other rows share the call
+# (docs/numerics.md): no plan constant that shapes a row's reductions depends on the row count.
+
+BATCH_ROWS = (1, 2, 3, 16, 17, 4095, 4096, 2**20)
+
+
+@pytest.mark.parametrize("variant", ["fwd+res", "infer", "bwd+dsum", "bwd-dot"])
+@pytest.mark.parametrize("n_cols", [7, 128, 4096, 16384, 65536])
+def test_the_launch_constants_do_not_depend_on_the_row_count(variant, n_cols):
+    """launch.py's own host code (captured on meta tensors) passes the same constexprs and warps at every row
+    count: only runtime integers and the grid change, and the kernels do not specialise on the row count
+    (test_fast_launch)."""
+    from harness.kernel_inspect import capture_launch
+
+    launches = {rows: capture_launch(variant, torch.bfloat16, n_cols, rows, "llama", sm_count=132, arch="sm_90")
+                for rows in BATCH_ROWS}
+    if all(launch_ is None for launch_ in launches.values()):
+        return  # the row reductions of the wide backward only run for rows wider than one tile
+    constants = {rows: (kernel, kwargs) for rows, (kernel, _, kwargs) in launches.items()}
+    assert len({repr(c) for c in constants.values()}) == 1, constants
+
+
+@pytest.mark.parametrize("mode", ["llama", "layernorm"])
+@pytest.mark.parametrize("n_cols, dtype", [(1, torch.bfloat16), (7, torch.float16), (1000, torch.bfloat16),
+                                           (20000, torch.float32), (40000, torch.bfloat16)])
+def test_a_rows_output_and_input_gradient_do_not_depend_on_the_batch(mode, n_cols, dtype):
+    """Bitwise, in the interpreter, the first rows of a batch of 9 run alone and in batches of 2, 4 and 9: odd
+    widths, fp32 rows past the forward's tile (looped, a persistent grid of 3 programs over 9 rows), bf16 rows
+    past both tiles (looped forward, wide backward)."""
+    rows = 9
+    x = _randn(rows, n_cols, dtype=dtype, seed=90)
+    r = _randn(rows, n_cols, dtype=dtype, scale=2, seed=91)
+    weight = (_randn(n_cols, scale=0.2, seed=92) + 1).to(dtype)
+    bias = _randn(n_cols, dtype=dtype, scale=0.1, seed=93) if mode == "layernorm" else None
+    dy, dsum = _randn(rows, n_cols, dtype=dtype, seed=94), _randn(rows, n_cols, dtype=dtype, seed=95)
+
+    def run(batch):
+        xb, rb = x[:batch].clone().requires_grad_(), r[:batch].clone().requires_grad_()
+        y, s = fused_add_norm(xb, rb, weight, EPS, bias=bias, mode=mode)
+        dx, = _grads((y, s), (xb,), (dy[:batch], dsum[:batch]))
+        return y, s, dx
+
+    everything = run(rows)
+    for batch in (1, 2, 4):
+        for alone, together in zip(run(batch), everything):
+            assert torch.equal(alone, together[:batch])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cols", [128, 2048, 4096, 8192, 16384, 32768, 65536])
+def test_batch_invariance_on_a_gpu(n_cols):
+    """Bitwise on the card: every row's output and input gradient in batches of 1 to 4096 rows equal those of the
+    same rows in the batch of 4096, at widths of every plan (narrow tiles, the widest tiles, the looped forward,
+    the wide backward)."""
+    rows = 4096
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r, dy, dsum = (torch.randn(rows, n_cols, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    weight = (1 + 0.2 * torch.randn(n_cols, device="cuda", generator=g)).to(torch.bfloat16)
+
+    def run(batch):
+        xb, rb = x[:batch].clone().requires_grad_(), r[:batch].clone().requires_grad_()
+        y, s = fused_add_rms_norm(xb, rb, weight, EPS)
+        dx, = _grads((y, s), (xb,), (dy[:batch], dsum[:batch]))
+        return y, dx
+
+    everything = run(rows)
+    for batch in (1, 2, 3, 7, 16, 17, 100, 255, 1024, 2047, 4095):
+        for alone, together in zip(run(batch), everything):
+            assert torch.equal(alone, together[:batch]), (n_cols, batch)
+
+
 def test_weight_gradient_is_deterministic():
     x = _randn(37, 300, dtype=torch.bfloat16, seed=39).requires_grad_()
     weight = _randn(300, dtype=torch.bfloat16, seed=40).requires_grad_()
