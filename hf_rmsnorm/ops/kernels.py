@@ -373,10 +373,12 @@ def norm_bwd_kernel(
 
     The row loop is pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes the compiler prefetch the next row
     blocks' loads into shared memory (asynchronous copies on sm_80 and later) while the current block is
-    computed; the weight is loaded once, outside the loop. Programs stride over the row blocks rather than take a
-    contiguous range each: the programs' row counts then differ by at most one block (ranges of
-    ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring rows. Wider
-    rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
+    computed; the weight is loaded once, outside the loop. The widest tiles, too big to stage (``NUM_STAGES``
+    1), are too big to keep whole in registers beside the accumulators as well: they read the weight per row
+    block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs stride over the row
+    blocks rather than take a contiguous range each: the programs' row counts then differ by at most one block
+    (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring
+    rows. Wider rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
     counters = SYNC.to(tl.pointer_type(tl.int32), bitcast=True)
     tl.atomic_add(counters + STARTED, 1, sem="relaxed")
     pid = tl.program_id(0)
@@ -395,8 +397,8 @@ def norm_bwd_kernel(
         if NUM_STAGES > 1:
             w = w_kept
         else:
-            # Not pipelined (the widest tiles): the weight is read again per row block (from L1/L2) rather than
-            # held in registers for the whole loop, where it would be one more live tile beside the row's.
+            # Not pipelined (the widest tiles): the weight is read again per row block (it stays in the caches)
+            # rather than held in registers for the whole loop, where it would be one more live tile.
             w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
         rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
@@ -413,7 +415,8 @@ def norm_bwd_kernel(
             g_mean = rstd  # not read without CENTER
         c = tl.sum(g * n, axis=1) / n_cols
         if NUM_STAGES == 1:
-            # The widest tiles: the row is read again (from L1) rather than kept live across the reductions.
+            # The widest tiles: the row, read just before, is read again rather than kept live across the
+            # reductions (the tests pin the traffic this adds: 2 bytes per bf16 element).
             n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER, LAST_READ=True)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,

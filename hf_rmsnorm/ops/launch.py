@@ -355,7 +355,7 @@ def norm_backward(
     dres_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Runs the backward: ``norm_bwd_kernel`` for rows of one tile, one launch; ``row_dot_kernel`` then
-    ``column_bwd_kernel`` for wider ones. Either's last program(s) sum the weight (and bias) gradient. Returns
+    ``column_bwd_kernel`` for wider ones, whose programs end by summing the weight (and bias) gradient. Returns
     ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
     (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight.
 
