@@ -398,6 +398,17 @@ def test_every_output_is_written_and_idle_programs_write_their_partials(monkeypa
         assert _max_err(grads[3], torch.full_like(bias, n_rows)) < 1e-5
 
 
+def _assert_one_bf16_rounding_from_fp64(y, s, weight, bias, mode):
+    """``y`` is the norm of the (rounded) sum ``s`` in fp64 but for one rounding of the normalised row (bf16 in
+    "llama" mode, the output in "layernorm" mode)."""
+    s64 = s.detach().double()
+    if mode == "layernorm":
+        s64 = s64 - s64.mean(-1, keepdim=True)
+    exact = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * weight.detach().double()
+    exact = exact if bias is None else exact + bias.detach().double()
+    assert _max_err(y, exact) <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+
+
 @pytest.mark.parametrize("mode", ["llama", "layernorm"])
 def test_widest_supported_row(mode):
     """Hidden 65536: the looped path (16 column blocks per pass) forward and backward, against fp64."""
@@ -408,13 +419,7 @@ def test_widest_supported_row(mode):
     bias = _randn(n_cols, dtype=torch.float32, seed=64).requires_grad_() if mode == "layernorm" else None
     y, s = fused_add_norm(x, r, weight, EPS, bias=bias, mode=mode)
     assert torch.equal(s, r + x)
-    s64 = s.double()
-    if mode == "layernorm":
-        s64 = s64 - s64.mean(-1, keepdim=True)
-    expected = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-    expected = expected if bias is None else expected + bias.double()
-    # One rounding of the normalised row (bf16 in "llama" mode, the output in "layernorm" mode).
-    assert _max_err(y, expected) <= 2 * torch.finfo(torch.bfloat16).eps * expected.abs().max().item()
+    _assert_one_bf16_rounding_from_fp64(y, s, weight, bias, mode)
     dy = _randn(2, n_cols, dtype=y.dtype, seed=65)
     inputs = (x, r, weight) if bias is None else (x, r, weight, bias)
     ours = _grads(y, inputs, (dy,))
@@ -464,13 +469,7 @@ def test_looped_forward_programs_stride_over_more_rows_than_there_are_programs(m
         unpack = MODES[mode].unpack_stats
         for values, values1 in zip(unpack(stats, x.shape), unpack(stats1, y1.shape)):
             assert values is None or torch.equal(values[row], values1[0])
-    s64 = s.double()
-    if mode == "layernorm":
-        s64 = s64 - s64.mean(-1, keepdim=True)
-    exact = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-    exact = exact if bias is None else exact + bias.double()
-    # One rounding of the normalised row (bf16 in "llama" mode, the output in "layernorm" mode).
-    assert _max_err(y, exact) <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+    _assert_one_bf16_rounding_from_fp64(y, s, weight, bias, mode)
 
 
 # ---------------------------------------------------------------------------------------- batch invariance
