@@ -20,7 +20,7 @@ every row, they stay in L1/L2, so each is counted once per call, by the bytes of
 
 Each variant runs at ``rows`` and ``2 * rows`` rows. The **per-row ratio** (``(bytes(2R) - bytes(R))`` over the
 same difference of the minimum) is what a kernel costs in the steady state of a large launch: per-launch costs
-(the weight, the backward's per-program weight-gradient partial rows, zeroed and written once) cancel, so it
+(the weight, the backward's per-program weight-gradient partial rows, written once and summed once) cancel, so it
 does not depend on the interpreter running 3 backward programs where a GPU runs hundreds. The **call ratio** is
 the whole call at ``2 * rows`` rows, per-launch costs included. The minimum is ``kernel_bench.min_traffic_bytes``,
 shared with the GPU benchmark (the per-row fp32 ``rstd``, 4 bytes per row, is left out of it there too).
@@ -109,8 +109,13 @@ class TrafficCounter:
 
     def _begin(self, executor: Any, args: tuple, kwargs: dict) -> None:
         named = [*zip(executor.arg_names, args), *kwargs.items()]
-        tensors = sorted((t.data_ptr(), name, t) for name, t in named
-                         if isinstance(t, torch.Tensor) and t.numel())
+        # A tensor passed twice (the backward's statistics, which hold its counters too) is counted under the name
+        # of its first argument.
+        first_names = {}
+        for name, t in named:
+            if isinstance(t, torch.Tensor) and t.numel():
+                first_names.setdefault(t.data_ptr(), (name, t))
+        tensors = sorted((ptr, name, t) for ptr, (name, t) in first_names.items())
         self._current = _Launch(
             kernel=getattr(executor.fn, "__name__", str(executor.fn)),
             grid=tuple(executor.grid) if not callable(executor.grid) else (),
@@ -312,7 +317,7 @@ def measure_variant(variant: str, hidden: int, dtype_name: str, mode: str = "lla
     rows = default_rows(hidden) if rows is None else rows
     small, large = (count_call(variant, n, hidden, dtype, mode) for n in (rows, 2 * rows))
     kernels = sorted({launch.kernel for launch in (*small.launches, *large.launches)})
-    # Arguments named with their kernel where several ran (the backward and a reduction of its partials).
+    # Arguments named with their kernel where several ran (the wide backward's row reductions, then its columns).
     small_bytes, large_bytes = (counter.bytes_by_tensor(len(kernels) > 1) for counter in (small, large))
     min_small, min_large = (_min_bytes(variant, n, hidden, dtype) for n in (rows, 2 * rows))
     per_row = {name: (large_bytes.get(name, 0) - small_bytes.get(name, 0)) / rows / hidden

@@ -273,8 +273,8 @@ def wide_backward() -> Iterator[PlanOverride]:
     planned = launch.backward_plan
     override = PlanOverride()
 
-    def wide_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> launch.TilingPlan:
-        plan = planned(WIDER_THAN_ANY_TILE, elem_bytes, arch)
+    def wide_plan(n_cols: int, elem_bytes: int, *args, **kwargs) -> launch.TilingPlan:
+        plan = planned(WIDER_THAN_ANY_TILE, elem_bytes, *args, **kwargs)
         if plan.single_tile:
             raise RuntimeError(f"launch.backward_plan tiles rows of {WIDER_THAN_ANY_TILE} elements as one: "
                                "kernel_bench.wide_backward must follow launch.py")

@@ -40,7 +40,8 @@ def parse_args(argv: list[str]) -> tuple[kernel_inspect.InspectConfig, bool]:
                         help="rows of the launch being specialised")
     parser.add_argument("--json", type=Path, help="write the records here")
     parser.add_argument("--strict", action="store_true",
-                        help="exit 1 when a variant spills or its widest global load is under 128 bits")
+                        help="exit 1 when a variant spills more than kernel_inspect.MAX_SPILL_BYTES, its widest "
+                             "global load is under 128 bits, or a pipelined loop has no asynchronous copies")
     args = vars(parser.parse_args(argv))
     if args["mode"] not in MODES:
         raise cli.InputError(f"unknown --mode {args['mode']!r}: use one of {', '.join(MODES)}")

@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add  # noqa: E402
 from hf_rmsnorm.ops import functional, launch  # noqa: E402
+from hf_rmsnorm.ops.modes import MODES  # noqa: E402
 
 HIDDEN = 64
 ROWS = 5
@@ -130,6 +131,7 @@ def main() -> None:
         _without_a_gpu()
     bf16, fp16, fp32, fp64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
     rows, row = (ROWS, HIDDEN), (HIDDEN,)
+    stats = MODES["llama"].stats_shape(torch.Size(rows))
     cases = {
         "rms_norm": _trace(lambda x, w: rms_norm(x, w), (rows, bf16), (row, bf16)),
         "rms_norm_weightless": _trace(lambda x: rms_norm(x, None), (rows, bf16)),
@@ -144,12 +146,12 @@ def main() -> None:
         "fused_add_rms_norm_dynamic": _trace(lambda x, r, w: fused_add_rms_norm(x, r, w), (rows, bf16),
                                              (rows, bf16), (row, bf16), dynamic=True),
         "rms_norm_fp64": _trace(lambda x, w: rms_norm(x, w), (rows, fp64), (row, fp64)),
-        "rms_norm_backward": _trace(rms_norm_backward, (rows, bf16), (rows, bf16), (row, bf16), ((ROWS,), fp32)),
+        "rms_norm_backward": _trace(rms_norm_backward, (rows, bf16), (rows, bf16), (row, bf16), (stats, fp32)),
         # A bf16 input added to an fp32 residual: the residual's gradient (fp32) is written apart from x's (bf16).
         "fused_add_backward": _trace(fused_add_backward, (rows, fp32), (rows, fp32), (rows, bf16), (rows, fp32),
-                                     (row, fp32), (rows, fp32), ((ROWS,), fp32)),
+                                     (row, fp32), (rows, fp32), (stats, fp32)),
         "fused_add_backward_dynamic": _trace(fused_add_backward, (rows, fp32), (rows, fp32), (rows, bf16),
-                                             (rows, fp32), (row, fp32), (rows, fp32), ((ROWS,), fp32), dynamic=True),
+                                             (rows, fp32), (row, fp32), (rows, fp32), (stats, fp32), dynamic=True),
     }
     kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
                for name in ("norm_fwd_triton", "add_norm_fwd_triton", "norm_add_fwd_triton", "norm_bwd_triton")}

@@ -4,11 +4,12 @@ Memory traffic is the whole cost of these kernels, so each one touches every ele
 times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``residual + x`` once (8 bytes per
 element in bf16) plus one fp32 ``rstd`` per row; the backward reads ``dy``, the saved sum and the incoming
 gradient of the sum once and writes the input gradient once. Its weight (and bias) gradient is summed over all
-of a program's rows in fp32 registers and written once per program; ``sum_partials_kernel`` then adds the
-programs' rows up in a fixed order. Rows wider than one tile take two kernels: ``row_dot_kernel`` reduces each
-row (reading ``dy`` and the norm's input), then ``column_bwd_kernel`` makes the input gradient and the weight
-gradient's partial sums column block by column block (reading them again, with ``dsum``): 12 bytes per bf16
-element against the minimum's 8, with no partial sum read back.
+of a program's rows in fp32 registers and written once per program as a partial row; once every program has
+written its own, the same launch adds them up in a fixed order (``_sum_partials_once_written``), so one
+backward is one launch. Rows wider than one tile take two kernels: ``row_dot_kernel`` reduces each row (reading
+``dy`` and the norm's input), then ``column_bwd_kernel`` makes the input gradient and the weight gradient's
+partial sums column block by column block (reading them again, with ``dsum``), and adds those up the same way:
+12 bytes per bf16 element against the minimum's 8, with no partial sum read back per row.
 
 Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK_M`` rows, so narrow rows
 (``head_dim`` 128 for Qwen3's q/k norms) still give each program enough work. Wider rows loop over column
@@ -26,8 +27,43 @@ million tokens of width 8192 cannot overflow.
 
 from __future__ import annotations
 
+import inspect
+from typing import Any, Callable
+
 import triton
 import triton.language as tl
+
+from .modes import STATS_SYNC_SLOTS
+
+# The kernels' arguments that carry the row count (or follow from it). Triton compiles no variant of a kernel for
+# their values, as it would otherwise (an integer equal to 1 becomes a constant, one divisible by 16 an alignment
+# fact): a row runs the same compiled code whatever the batch it is in, only the integers' width following their
+# size (docs/numerics.md, "Batch invariance").
+ROW_COUNT_ARGS = ("n_rows", "n_row_blocks", "rows_per_group")
+
+
+def row_count_args(fn: Callable[..., Any]) -> list[str]:
+    """The parameters of the kernel function ``fn`` that carry the row count (``ROW_COUNT_ARGS``)."""
+    return [name for name in inspect.signature(fn).parameters if name in ROW_COUNT_ARGS]
+
+
+def _jit_unspecialised_on_rows(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``, not specialised on the row count's value (``ROW_COUNT_ARGS``)."""
+    return triton.jit(fn, do_not_specialize=row_count_args(fn))
+
+
+# The int32 counters at the start of the statistics (modes.STATS_SYNC_SLOTS), by index: the backward's programs
+# that have started, that have written their partial weight-gradient rows, the column pieces of the final sum
+# claimed, and the programs done with the counters.
+SYNC_SLOTS = tl.constexpr(STATS_SYNC_SLOTS)
+STARTED = tl.constexpr(0)
+WRITTEN = tl.constexpr(1)
+CLAIMED = tl.constexpr(2)
+DONE = tl.constexpr(3)
+# The final sum of the partial weight-gradient rows: REDUCE_BLOCK_P partial rows added per step, in pieces of
+# REDUCE_BLOCK_N columns.
+REDUCE_BLOCK_P = tl.constexpr(32)
+REDUCE_BLOCK_N = tl.constexpr(64)
 
 
 @triton.jit
@@ -70,12 +106,14 @@ def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL:
 def _scale_and_store(
     s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
     NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr, STREAMED: tl.constexpr = False,
 ):
     """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
     weight ``y = norm(s) (+ b)`` in every mode. With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
     ``y`` is rounded to ``Y``'s dtype and the residual tile added, rounded as torch rounds the add.
-    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below)."""
+    ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below).
+    ``STREAMED`` (the looped forward's last pass): ``y`` and the residual tile are not read again by this kernel,
+    so they leave L2 first, ahead of the rows other programs still re-read."""
     y = s * rstd[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -94,13 +132,15 @@ def _scale_and_store(
             y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one
         y = y + b[None, :]
     if ADD_AFTER:
-        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(RESIDUAL + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first" if STREAMED else "").to(tl.float32)
         # The opaque 1.0 again: without it a rounded product and this add could become one half-precision FMA.
         y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one + r
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask,
+             eviction_policy="evict_first" if STREAMED else "")
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def norm_fwd_kernel(
     X, RESIDUAL, W, B, Y, SUM_OUT, STATS,
     n_rows, n_cols,
@@ -109,23 +149,33 @@ def norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
-    STORE_STATS: tl.constexpr,
+    STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One program normalises ``BLOCK_M`` rows. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
+    """Normalises rows ``BLOCK_M`` at a time. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
     layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
-    the residual sum (unused without residual); ``STATS`` holds ``rstd`` for every row, followed by the row means
-    when ``CENTER``, written only with ``STORE_STATS`` (the backward's input: inference passes None)."""
+    the residual sum (unused without residual); ``STATS`` holds the backward's counters, which program 0 zeroes,
+    then ``rstd`` for every row, followed by the row means when ``CENTER`` (``modes.STATS_SYNC_SLOTS``); written
+    only with ``STORE_STATS`` (the backward's input: inference passes None).
+
+    Rows of one tile (``SINGLE_TILE``): one program per row block. Wider rows: a persistent grid, program ``p``
+    of ``P`` normalising row blocks ``p, p + P, ...`` (``launch.forward_grid`` sizes ``P`` so that the rows in
+    flight fit in L2, where their second pass finds them), each row in passes over column blocks, the first one
+    pipelined over ``NUM_STAGES`` column blocks (``tl.range``: asynchronous copies on sm_80 and later)."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the whole row into fp64 maths.
     eps = tl.cast(eps, tl.float32)
     runtime_one = eps * 0.0 + 1.0  # eps is finite (checked on the host); the compiler cannot fold this
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = rows < n_rows
     if HAS_RESIDUAL:
         NORM_DTYPE: tl.constexpr = SUM_OUT.dtype.element_ty
     else:
         NORM_DTYPE: tl.constexpr = X.dtype.element_ty
+    if STORE_STATS:
+        if tl.program_id(0) == 0:
+            tl.store(STATS.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
+                     tl.zeros([SYNC_SLOTS], dtype=tl.int32))
 
     if SINGLE_TILE:
+        rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < n_rows
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
@@ -142,53 +192,85 @@ def norm_fwd_kernel(
         _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
                          runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
                          ADD_AFTER)
+        if STORE_STATS:
+            _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
     else:
-        # First pass: write the residual sum; accumulate the sum of squares (the sum, when centring).
+        for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+            rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+            row_mask = rows < n_rows
+            _normalise_looped_rows(
+                X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
+                stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, CENTER, BLOCK_M, BLOCK_N,
+                ADD_AFTER, STORE_STATS, NUM_STAGES)
+
+
+@triton.jit
+def _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER: tl.constexpr):
+    """``rstd`` and, when ``CENTER``, the mean of ``rows`` into the statistics, after their counters."""
+    values = STATS + SYNC_SLOTS
+    tl.store(values + rows, rstd, mask=row_mask)
+    if CENTER:
+        tl.store(values + n_rows + rows, mean, mask=row_mask)
+
+
+@triton.jit
+def _normalise_looped_rows(
+    X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
+    stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """One block of rows wider than a tile, in passes over column blocks: the first writes the residual sum and
+    accumulates the sum of squares (the sum, when centring), pipelined; the last re-reads the norm's input,
+    which the first has just brought into L2, and writes the output. The pipelined loads are asynchronous copies,
+    which drop the eviction hints: what keeps the rows in L2 is the grid's budget of rows in flight."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = row_mask[:, None] & (cols < n_cols)[None, :]
+        s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
+                               HAS_RESIDUAL, READ_AGAIN=True)
+        if CENTER:
+            acc += s
+        else:
+            acc += s * s
+    # Later passes read back the sum other threads of this program wrote in the first.
+    tl.debug_barrier()
+    if CENTER:
+        # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
+        # with the corrected two-pass algorithm's correction of the mean's rounding error.
+        mean = tl.sum(acc, axis=1) / n_cols
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
-                                   HAS_RESIDUAL, READ_AGAIN=True)
-            if CENTER:
-                acc += s
-            else:
-                acc += s * s
-        # Later passes read back the sum other threads of this program wrote in the first.
-        tl.debug_barrier()
+            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
+            s = tl.where(mask, s - mean[:, None], 0.0)
+            deviation += s
+            acc += s * s
+        correction = tl.sum(deviation, axis=1) / n_cols
+        mean += correction
+        variance = tl.sum(acc, axis=1) / n_cols - correction * correction
+    else:
+        variance = tl.sum(acc, axis=1) / n_cols
+        mean = variance  # not read without CENTER
+    rstd = tl.math.rsqrt(variance + eps)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
         if CENTER:
-            # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
-            # with the corrected two-pass algorithm's correction of the mean's rounding error.
-            mean = tl.sum(acc, axis=1) / n_cols
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                mask = row_mask[:, None] & (cols < n_cols)[None, :]
-                s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
-                s = tl.where(mask, s - mean[:, None], 0.0)
-                deviation += s
-                acc += s * s
-            correction = tl.sum(deviation, axis=1) / n_cols
-            mean += correction
-            variance = tl.sum(acc, axis=1) / n_cols - correction * correction
-        else:
-            variance = tl.sum(acc, axis=1) / n_cols
-        rstd = tl.math.rsqrt(variance + eps)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_mask = cols < n_cols
-            mask = row_mask[:, None] & col_mask[None, :]
-            s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
-            if CENTER:
-                s = s - mean[:, None]
-            _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                             runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                             ADD_AFTER)
+            s = s - mean[:, None]
+        _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
+                         ADD_AFTER, STREAMED=True)
     if STORE_STATS:
-        tl.store(STATS + rows, rstd, mask=row_mask)
-        if CENTER:
-            tl.store(STATS + n_rows + rows, mean, mask=row_mask)
+        _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER)
 
 
 @triton.jit
@@ -204,6 +286,17 @@ def _load_weight(W, cols, col_mask, HAS_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.
 
 
 @triton.jit
+def _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER: tl.constexpr, LAST_READ: tl.constexpr = False):
+    """The normalised row ``n`` of a tile of the norm's input, loaded (fp32); ``LAST_READ``: it may leave the
+    caches first."""
+    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0,
+                eviction_policy="evict_first" if LAST_READ else "").to(tl.float32)
+    if CENTER:
+        s = s - mean[:, None]
+    return s * rstd[:, None]
+
+
+@triton.jit
 def _input_grad_tile(
     DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
     HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CENTER: tl.constexpr,
@@ -212,11 +305,7 @@ def _input_grad_tile(
     ``g = dy * w`` (the gradient at the normalised row; ``dy`` without a weight) and the row the weight was
     multiplied with. ``w`` is ``_load_weight``'s result for these columns."""
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(S + rows[:, None] * stride_s + cols[None, :], mask=mask, other=0.0)
-    s = s.to(tl.float32)
-    if CENTER:
-        s = s - mean[:, None]
-    n = s * rstd[:, None]
+    n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER)
     if HAS_WEIGHT:
         g = dy * w[None, :]
     else:
@@ -231,8 +320,8 @@ def _input_grad_tile(
 @triton.jit
 def _load_stats(STATS, rows, row_mask, n_rows, CENTER: tl.constexpr):
     """A pair of per-row statistics stored one after the other: ``STATS[rows]`` and, when ``CENTER``,
-    ``STATS[n_rows + rows]`` (rstd and the mean; or, for the wide backward, mean(g * n) and mean(g)). Without
-    ``CENTER`` the second is the first again, never read."""
+    ``STATS[n_rows + rows]`` (rstd and the mean, after the forward's statistics' counters; or, for the wide
+    backward, mean(g * n) and mean(g)). Without ``CENTER`` the second is the first again, never read."""
     first = tl.load(STATS + rows, mask=row_mask, other=0.0)
     if CENTER:
         second = tl.load(STATS + n_rows + rows, mask=row_mask, other=0.0)
@@ -265,9 +354,9 @@ def _store_input_grad(
         tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def norm_bwd_kernel(
-    DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_row_blocks,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -276,48 +365,70 @@ def norm_bwd_kernel(
 ):
     """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
     ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
-    rows, into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); ``sum_partials_kernel`` then adds those rows up. No
-    atomics, so the result is deterministic, and a program with no rows still writes its zeros.
+    rows, into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); once all ``P`` rows are written, they are added up in
+    a fixed order into ``DW`` (``DB``) by ``_sum_partials_once_written``, with the counters ``SYNC``. No atomics
+    touch the data, so the result is deterministic, and a program with no rows still writes its zeros.
+    ``STATS`` are the forward's statistics: counters, then ``rstd`` for every row, then the means when ``CENTER``;
+    ``SYNC`` holds the counters the programs use (``STATS`` itself, or fresh zeros: ``launch.norm_backward``).
 
     The row loop is pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes the compiler prefetch the next row
     blocks' loads into shared memory (asynchronous copies on sm_80 and later) while the current block is
-    computed; the weight is loaded once, outside the loop. Programs stride over the row blocks rather than take a
-    contiguous range each: the programs' row counts then differ by at most one block (ranges of
-    ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring rows. Wider
-    rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
+    computed; the weight is loaded once, outside the loop. The widest tiles, too big to stage (``NUM_STAGES``
+    1), are too big to keep whole in registers beside the accumulators as well: they read the weight per row
+    block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs stride over the row
+    blocks rather than take a contiguous range each: the programs' row counts then differ by at most one block
+    (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring
+    rows. Wider rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
+    counters = SYNC.to(tl.pointer_type(tl.int32), bitcast=True)
+    tl.atomic_add(counters + STARTED, 1, sem="relaxed")
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     partial_row = pid.to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+    if NUM_STAGES > 1:
+        w_kept = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for block in tl.range(pid, n_row_blocks, n_programs, num_stages=NUM_STAGES):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
+        if NUM_STAGES > 1:
+            w = w_kept
+        else:
+            # Not pipelined (the widest tiles): the weight is read again per row block (it stays in the caches)
+            # rather than held in registers for the whole loop, where it would be one more live tile.
+            w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+        rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
-        if CENTER:
-            g_mean = tl.sum(g, axis=1) / n_cols
-        else:
-            g_mean = rstd  # not read without CENTER
-        dx = _input_grad(g, n, tl.sum(g * n, axis=1) / n_cols, g_mean, rstd, CENTER)
-        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-                          HAS_DSUM, HAS_DRES)
+        # The weight (and bias) gradient first: dy and the weighted row are then dead before the row reductions,
+        # instead of live across them beside g and n (at 16384 bf16 elements that spilled 200-344 bytes).
         if HAS_WEIGHT:
             dw_acc += dy * n_weighted
         if HAS_BIAS:
             db_acc += dy
+        if CENTER:
+            g_mean = tl.sum(g, axis=1) / n_cols
+        else:
+            g_mean = rstd  # not read without CENTER
+        c = tl.sum(g * n, axis=1) / n_cols
+        if NUM_STAGES == 1:
+            # The widest tiles: the row, read just before, is read again rather than kept live across the
+            # reductions (the tests pin the traffic this adds: 2 bytes per bf16 element).
+            n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER, LAST_READ=True)
+        dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
+        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+                          HAS_DSUM, HAS_DRES)
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+    _sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, n_programs, n_cols, HAS_WEIGHT, HAS_BIAS)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def row_dot_kernel(
     DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
@@ -331,7 +442,7 @@ def row_dot_kernel(
     input once; ``column_bwd_kernel`` then makes the input gradient and the weight gradient in one more pass."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_mask = rows < n_rows
-    rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
+    rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
     dot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     g_sum = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_N):
@@ -349,9 +460,9 @@ def row_dot_kernel(
         tl.store(ROW_MEANS + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
 
 
-@triton.jit
+@_jit_unspecialised_on_rows
 def column_bwd_kernel(
-    DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL,
+    DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_col_blocks, rows_per_group,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -362,8 +473,11 @@ def column_bwd_kernel(
     ``p // n_col_blocks`` (``rows_per_group`` rows, a multiple of ``BLOCK_M``). It makes the input gradient of
     its tile from ``row_dot_kernel``'s reductions, reading ``dy``, the norm's input and ``dsum`` once, and sums
     its columns' weight (and bias) gradient over its rows in fp32 registers, written once into row ``group`` of
-    ``DW_PARTIAL`` (``DB_PARTIAL``) for ``sum_partials_kernel``. No partial sum is read back, and no row is read
-    more than twice in the whole backward (once here, once for the reductions)."""
+    ``DW_PARTIAL`` (``DB_PARTIAL``), which ``_sum_partials_once_written`` adds up into ``DW`` (``DB``) once every
+    program has written its own. No partial sum is read back per row, and no row is read more than twice in the
+    whole backward (once here, once for the reductions)."""
+    counters = SYNC.to(tl.pointer_type(tl.int32), bitcast=True)
+    tl.atomic_add(counters + STARTED, 1, sem="relaxed")
     pid = tl.program_id(0)
     group = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -377,7 +491,7 @@ def column_bwd_kernel(
         rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < last_row
         mask = row_mask[:, None] & col_mask[None, :]
-        rstd, mean = _load_stats(STATS, rows, row_mask, n_rows, CENTER)
+        rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
         c, g_mean = _load_stats(ROW_MEANS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
@@ -393,31 +507,84 @@ def column_bwd_kernel(
         tl.store(DW_PARTIAL + partial, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + partial, tl.sum(db_acc, axis=0), mask=col_mask)
+    _sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, tl.num_programs(0) // n_col_blocks, n_cols,
+                               HAS_WEIGHT, HAS_BIAS)
+
+
+# Not inlined: ptxas then allocates the row loops' registers apart from this code's. Inlined into the single-tile
+# backward, it took the bf16 16384 tile from no spill to 40-72 bytes a thread (sm_90, Triton 3.6).
+@triton.jit(noinline=True)
+def _sum_partials_once_written(
+    SYNC, DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """The backward's last step, run by every program of its launch after writing its partial weight-gradient
+    row(s): ``DW = DW_PARTIAL.sum(0)`` over the ``n_partials`` rows, cast to ``DW``'s dtype (the same for the
+    bias), once all of them are written, in the order fixed by the shapes alone.
+
+    Who sums. Each program counts itself into ``SYNC[STARTED]`` as it begins and into ``SYNC[WRITTEN]`` once its
+    partial rows are written. A program that then finds every program started waits until every program has
+    written, and claims pieces of ``REDUCE_BLOCK_N`` columns (``SYNC[CLAIMED]``) until none is left, summing
+    each. The others leave. Waiting cannot deadlock: a program waits only once every program of the launch has
+    started, so those it waits for hold their SMs already and reach their ``WRITTEN`` increment without waiting
+    on anything. At least one program sums: the last to start finds every program started. On a GPU where the
+    whole grid is resident at once (the persistent grids are sized so), every program takes part and the sum is
+    spread over the SMs; in Triton's interpreter, which runs programs one after another, the last one does it
+    all. Which program sums a piece changes nothing in it: each column's partials are added in row order, in
+    ``[REDUCE_BLOCK_P, REDUCE_BLOCK_N]`` tiles folded by one ``tl.sum``, so the result is bitwise the same run to
+    run (atomics only count; none touches the data).
+
+    The counters' zero. They are the first elements of the forward's statistics (``modes.STATS_SYNC_SLOTS``),
+    which the forward that wrote those zeroed, and the last program to count itself into ``SYNC[DONE]``, after
+    which no program reads them, zeroes them again. Each backward therefore finds them zero, whatever ran before
+    (retain_graph, CUDA graph replays of the backward alone), as long as two backwards of one forward's statistics
+    do not run at once: the autograd engine runs a node's backward on the stream of its forward, one call after
+    another, and the custom op (``norm_bwd``) leaves the statistics as it found them, which is what its schema
+    (``mutates_args=()``) promises of its effect. A launch torch.compile traces gets fresh zeros instead
+    (``launch.norm_backward``).
+
+    Memory ordering (the pattern of CUTLASS's semaphores and CUDA's threadFenceReduction sample). A scalar atomic
+    is performed by one thread of the program. Every thread's partial-row stores come before the barrier, and
+    the barrier before that thread's release increment of ``WRITTEN``; a program whose acquire load finds
+    ``WRITTEN == n_programs`` synchronises with every program's release, which is cumulative over what that
+    program's threads stored before its barrier, and the barrier after the acquire orders its own other threads'
+    loads after it. Those loads bypass L1 (``.cg``: L1 is not coherent between SMs; on AMD the acquire also
+    invalidates the compute unit's vector cache, which the program's waves share), so no line of a partial row
+    cached before it was written can be read."""
+    n_programs = tl.num_programs(0)
+    tl.debug_barrier()
+    tl.atomic_add(SYNC + WRITTEN, 1, sem="release")
+    if tl.atomic_add(SYNC + STARTED, 0, sem="relaxed") == n_programs:
+        while tl.atomic_add(SYNC + WRITTEN, 0, sem="acquire") < n_programs:
+            pass
+        tl.debug_barrier()
+        piece = tl.atomic_add(SYNC + CLAIMED, 1, sem="relaxed")
+        while piece < tl.cdiv(n_cols, REDUCE_BLOCK_N):
+            _sum_partial_columns(DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, HAS_WEIGHT, HAS_BIAS)
+            piece = tl.atomic_add(SYNC + CLAIMED, 1, sem="relaxed")
+    if tl.atomic_add(SYNC + DONE, 1, sem="acq_rel") == n_programs - 1:
+        tl.store(SYNC + tl.arange(0, SYNC_SLOTS), tl.zeros([SYNC_SLOTS], dtype=tl.int32))
 
 
 @triton.jit
-def sum_partials_kernel(
-    DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+def _sum_partial_columns(
+    DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """``DW = DW_PARTIAL.sum(0)`` cast to ``DW``'s dtype (and the same for the bias): the backward's last step.
-
-    Each program owns ``BLOCK_N`` columns and walks down the ``n_partials`` rows ``BLOCK_P`` at a time, adding
-    them into a ``[BLOCK_P, BLOCK_N]`` fp32 accumulator that one ``tl.sum`` folds at the end. The order of every
-    addition is fixed by the shapes alone (no atomics, no split across programs), so the result is the same run
-    to run; summing ``BLOCK_P`` interleaved chains rather than one keeps the fp32 rounding error small."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Columns ``piece * REDUCE_BLOCK_N`` onwards of ``DW = DW_PARTIAL.sum(0)`` (and ``DB``): the
+    ``n_partials`` rows added ``REDUCE_BLOCK_P`` at a time into a ``[REDUCE_BLOCK_P, REDUCE_BLOCK_N]`` fp32
+    accumulator that one ``tl.sum`` folds at the end (``REDUCE_BLOCK_P`` interleaved chains rather than one keep
+    the fp32 rounding error small), read past L1 (``_sum_partials_once_written``)."""
+    cols = piece * REDUCE_BLOCK_N + tl.arange(0, REDUCE_BLOCK_N)
     col_mask = cols < n_cols
-    dw_acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_partials, BLOCK_P):
-        parts = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+    dw_acc = tl.zeros([REDUCE_BLOCK_P, REDUCE_BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([REDUCE_BLOCK_P, REDUCE_BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_partials, REDUCE_BLOCK_P):
+        parts = (start + tl.arange(0, REDUCE_BLOCK_P)).to(tl.int64)
         mask = (parts < n_partials)[:, None] & col_mask[None, :]
         offsets = parts[:, None] * n_cols + cols[None, :]
         if HAS_WEIGHT:
-            dw_acc += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0)
+            dw_acc += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
-            db_acc += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0)
+            db_acc += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0, cache_modifier=".cg")
     if HAS_WEIGHT:
         tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:

@@ -17,20 +17,28 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
-from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel, sum_partials_kernel
-from .modes import dtype_of, get_mode, sum_dtype
+from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
+from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
 # fp32 ones); wider rows loop over column blocks of LOOP_BLOCK_N. Forward: 32768 bf16 elements compile without
 # spills at 16 warps (offline, sm_80 and sm_90, Triton 3.9: 110-128 registers); fp32 rows of 32768 spill 8-24
-# bytes there, so fp32 stops at 16384. Backward: it keeps about four fp32 values live per element (the weight,
-# its gradient's accumulator, dy and the row), and a 16384-wide tile spills 136-568 bytes a thread (sm_90,
-# Triton 3.9, 16 warps); Liger-Kernel's backward runs exactly such a tile (16 warps, one program per SM, the weight
-# gradient in registers) at 2.1x the speed of the looped kernel on an H100 (BENCHMARKS.md, run 3), so bf16 rows of
-# 16384 take the single tile too (not yet timed in ours) and fp32 stops at 8192.
+# bytes there, so fp32 stops at 16384. Backward: bf16 rows of 16384 (Liger-Kernel's backward runs such a tile at
+# 16 warps, one program per SM, the weight gradient in registers, at 2.1x the speed of our looped kernel on an
+# H100: BENCHMARKS.md, run 3), fp32 rows of 8192; and within that, only as wide as bwd_max_tile_n's register rule.
 FWD_MAX_TILE_BYTES = 65536
 BWD_MAX_TILE_BYTES = 32768
+# The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions: the
+# gradient at the normalised row g and one accumulator per parameter gradient (weight, bias), and one more when
+# centring (LayerNorm), as the compilers allocate them; the widest tiles, whose row loop is not pipelined, read the
+# normalised row again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values
+# fit in a program's registers (16 warps at ptxas's 128 registers a thread hold 65536) with room for addresses and
+# the reductions: offline (Triton 3.6 and 3.9, sm_80 and sm_90, BENCHMARKS.md) the variants within it spill at
+# most 64 bytes a thread, while three values per element at 16384 (a bias gradient, or centring) spill up to 176
+# bytes at Triton 3.6 on sm_90 (640 for LayerNorm with a bias), so those rows take the wide kernels.
+BWD_TILE_LIVE_VALUES = 2 * 16384
+BWD_BASE_LIVE_TILES = 2  # g and the weight gradient's accumulator: an RMSNorm with a weight, no bias
 LOOP_BLOCK_N = 4096
 # Elements per program for narrow rows: several rows share a program so each has enough work.
 TARGET_TILE_ELEMENTS = 4096
@@ -54,12 +62,17 @@ BWD_MAX_PROGRAMS_PER_SM = 4
 BWD_REGISTERS_PER_THREAD = 128
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM_BYTES = 228 * 1024
-# The weight-gradient reduction: columns per program, partial rows added per step, warps.
-REDUCE_BLOCK_N = 64
-REDUCE_BLOCK_P = 32
-REDUCE_NUM_WARPS = 4
-# The interpreter runs programs one after another; a few are enough to exercise the partial sums.
-INTERPRET_BWD_PROGRAMS = 3
+# The looped forward (rows wider than its tile) re-reads each row's norm input, which its first pass has just
+# written or read, from L2: its persistent grid keeps at most FWD_REREAD_L2_SHARE of the L2 in rows in flight (the
+# streamed lines, x, the residual and y, pass through the rest), but never fewer programs than SMs. A non-persistent
+# grid kept about 6 programs an SM busy on an H100, 52 MB of rows to re-read against 50 MB of L2, and reached 77%
+# of the copy bandwidth at hidden 65536 (BENCHMARKS.md, run 3). Its first pass is pipelined over
+# FWD_LOOP_STAGES column blocks.
+FWD_REREAD_L2_SHARE = 0.5
+FWD_LOOP_STAGES = 3
+# The interpreter runs programs one after another; a few are enough to exercise the persistent grids (the
+# backward's partial sums, the looped forward's row striding).
+INTERPRET_PROGRAMS = 3
 
 
 def fwd_max_tile_n(elem_bytes: int) -> int:
@@ -67,9 +80,16 @@ def fwd_max_tile_n(elem_bytes: int) -> int:
     return FWD_MAX_TILE_BYTES // elem_bytes
 
 
-def bwd_max_tile_n(elem_bytes: int) -> int:
-    """The backward's widest single tile, in elements of ``elem_bytes`` bytes."""
-    return BWD_MAX_TILE_BYTES // elem_bytes
+def bwd_live_tiles(has_weight: bool, has_bias: bool, mode: Mode) -> int:
+    """The fp32 values the single-tile backward keeps live per element of its tile (``BWD_TILE_LIVE_VALUES``)."""
+    return 1 + has_weight + has_bias + mode.centre
+
+
+def bwd_max_tile_n(elem_bytes: int, live_tiles: int = BWD_BASE_LIVE_TILES) -> int:
+    """The backward's widest single tile, in elements of ``elem_bytes`` bytes, for a variant keeping ``live_tiles``
+    fp32 values live per element (``bwd_live_tiles``): a power of two."""
+    by_registers = 1 << ((BWD_TILE_LIVE_VALUES // live_tiles).bit_length() - 1)
+    return min(BWD_MAX_TILE_BYTES // elem_bytes, by_registers)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,8 +112,11 @@ class TilingPlan(NamedTuple):
     block_n: int
     single_tile: bool
     num_warps: int
-    num_stages: int  # row blocks in flight in the backward's pipelined row loop; 1: not pipelined
-    programs_per_sm: int | None  # the backward's persistent grid; None: one program per row block (the forward)
+    # Loads in flight in the pipelined loop (the backward's rows; the looped forward's first pass over the columns,
+    # not tunable); 1: not pipelined.
+    num_stages: int
+    # The backward's persistent grid; None for the forward (forward_grid: by row blocks, or by L2 when looped).
+    programs_per_sm: int | None
 
 
 @reads_tuned_plans
@@ -104,21 +127,27 @@ def forward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> Tilin
     entry for ``arch`` applied where it has one. Rows up to ``fwd_max_tile_n`` are one tile."""
     max_tile_n = fwd_max_tile_n(elem_bytes)
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
-    default = TilingPlan(block_m, block_n, single_tile, num_warps, 1, None)
+    default = TilingPlan(block_m, block_n, single_tile, num_warps, 1 if single_tile else FWD_LOOP_STAGES, None)
     return tuned(default, PlanKey(arch, "forward", elem_bytes, width_bucket(n_cols, max_tile_n)))
 
 
 @reads_tuned_plans
 @functools.lru_cache(maxsize=None)
-def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None) -> TilingPlan:
+def backward_plan(n_cols: int, elem_bytes: int, arch: str | None = None,
+                  live_tiles: int = BWD_BASE_LIVE_TILES) -> TilingPlan:
     """The backward's tiling for rows of ``n_cols`` elements of ``elem_bytes`` bytes (the widest of the loaded
-    activations: ``dy``, the norm's input, ``dsum``) on ``arch``, with the tuned table's entry applied as in
-    ``forward_plan``. Rows up to ``bwd_max_tile_n`` are one tile; wider rows take the two wide kernels
-    (``row_dot_kernel``, then ``column_bwd_kernel`` over column blocks of ``LOOP_BLOCK_N``). Either's row loop
-    is pipelined where its staging buffers fit; the plan's tile is the one the row loop stages."""
-    max_tile_n = bwd_max_tile_n(elem_bytes)
-    key = PlanKey(arch, "backward", elem_bytes, width_bucket(n_cols, max_tile_n))
+    activations: ``dy``, the norm's input, ``dsum``) on ``arch``, for a variant keeping ``live_tiles`` fp32 values
+    live per element (``bwd_live_tiles``), with the tuned table's entry applied as in ``forward_plan``. Rows up to
+    ``bwd_max_tile_n`` are one tile; wider rows take the two wide kernels (``row_dot_kernel``, then
+    ``column_bwd_kernel`` over column blocks of ``LOOP_BLOCK_N``). Either's row loop is pipelined where its
+    staging buffers fit; the plan's tile is the one the row loop stages. The table's width bucket of a single tile
+    is its width; every wider row, whatever made it wider than its variant's tile, shares the wide kernels' one
+    bucket (``width_bucket`` of the widest tile of any variant)."""
+    max_tile_n = bwd_max_tile_n(elem_bytes, live_tiles)
     block_m, block_n, single_tile, num_warps = tile_config(n_cols, max_tile_n)
+    widest_tile_n = bwd_max_tile_n(elem_bytes)
+    key = PlanKey(arch, "backward", elem_bytes,
+                  width_bucket(n_cols, widest_tile_n) if single_tile else 2 * widest_tile_n)
     if single_tile:
         num_warps = BWD_SINGLE_TILE_WARPS
     stage_bytes = BWD_LOADED_TENSORS * block_m * block_n * elem_bytes
@@ -137,7 +166,7 @@ def is_traced(t: torch.Tensor) -> bool:
 
 
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel, sum_partials_kernel)}
+                                                              column_bwd_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
@@ -153,10 +182,8 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, pl
         kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
         return
     # Triton launches on the current GPU: switch to the first tensor's own (models split across GPUs) only when
-    # it is another one. A CPU tensor (the interpreter) has device -1. The first argument is a tensor but where
-    # an optional one is absent (the weight-gradient reduction of a norm with a bias and no weight).
-    first = args[0] if args[0] is not None else next(a for a in args if isinstance(a, torch.Tensor))
-    device = first.get_device()
+    # it is another one. A CPU tensor (the interpreter) has device -1. Every kernel's first argument is a tensor.
+    device = args[0].get_device()
     if device < 0 or device == torch.cuda.current_device():
         launcher(grid, device, args, constexprs, num_warps, plan, varying)
         return
@@ -172,6 +199,26 @@ def _cdiv(a: int, b: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def forward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, elem_bytes: int, device_index: int) -> int:
+    """Programs of a forward launch of ``n_rows`` rows of ``n_cols`` elements of ``elem_bytes`` bytes (the norm's
+    input, which the looped kernel re-reads) tiled as ``tiling`` (``forward_plan``) on GPU ``device_index`` (-1:
+    the interpreter). Rows of one tile: one program per row block. Wider rows: a persistent grid of as many
+    programs as keep ``FWD_REREAD_L2_SHARE`` of the GPU's L2 in rows in flight (one row block each), at least one
+    per SM, at most one per row block; in the interpreter, ``INTERPRET_PROGRAMS``."""
+    n_row_blocks = _cdiv(n_rows, tiling.block_m)
+    if tiling.single_tile:
+        return n_row_blocks
+    if device_index < 0:
+        return min(n_row_blocks, INTERPRET_PROGRAMS)
+    in_flight = int(FWD_REREAD_L2_SHARE * _l2_bytes(device_index)) // (tiling.block_m * n_cols * elem_bytes)
+    return min(n_row_blocks, max(_sm_count(device_index), in_flight))
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> tuple[torch.Tensor, int]:
@@ -200,7 +247,7 @@ class ForwardLaunch:
     (``CachedLauncher``'s key by plan): it fixes every dtype, which pointers are None, the width, the constexprs and
     ``num_warps``."""
 
-    __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "block_m", "num_warps", "constexprs", "store_stats",
+    __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "tiling", "num_warps", "constexprs", "store_stats",
                  "y_like_x", "sum_like_x")
 
     def __init__(self, x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
@@ -213,24 +260,26 @@ class ForwardLaunch:
         self.n_cols = n_cols
         # The sum's dtype is the wider of x's and the residual's: the widest activation the forward loads.
         tiling = forward_plan(n_cols, self.norm_dtype.itemsize, arch)
-        self.block_m, self.num_warps = tiling.block_m, tiling.num_warps
+        self.tiling, self.num_warps = tiling, tiling.num_warps
         self.constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                                HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
                                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
-                               ADD_AFTER=add_after, STORE_STATS=store_stats)
+                               ADD_AFTER=add_after, STORE_STATS=store_stats, NUM_STAGES=tiling.num_stages)
         self.store_stats = store_stats
         # Whether an output of a contiguous x can be allocated like x (``_new_rows``), decided once here.
         self.y_like_x = self.y_dtype == x_dtype
         self.sum_like_x = self.norm_dtype == x_dtype
 
-    def grid(self, n_rows: int) -> int:
-        """Programs of a launch on ``n_rows`` rows: one per block of ``block_m`` rows."""
-        return _cdiv(n_rows, self.block_m)
+    def grid(self, n_rows: int, device_index: int) -> int:
+        """Programs of a launch on ``n_rows`` rows on GPU ``device_index`` (-1: the interpreter): ``forward_grid``."""
+        return forward_grid(self.tiling, n_rows, self.n_cols, self.norm_dtype.itemsize, device_index)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None, eps: float, residual_after: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``norm_forward`` on arguments of this launch's combination, which the caller checked (``checks.py``)."""
+                 bias: torch.Tensor | None, eps: float, residual_after: torch.Tensor | None = None,
+                 traced_kernel: object = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``norm_forward`` on arguments of this launch's combination, which the caller checked (``checks.py``).
+        ``traced_kernel``: while torch.compile traces, ``wrap_triton(norm_fwd_kernel)``, which records the launch in
+        the graph (``norm_forward`` spells it out: see ``_launch``)."""
         n_cols = self.n_cols
         contiguous = x.is_contiguous()
         # ``_new_rows``, with its test of the dtype made once.
@@ -253,10 +302,10 @@ class ForwardLaunch:
         weight = None if weight is None else weight.contiguous()
         bias = None if bias is None else bias.contiguous()
         # Outputs are fresh and contiguous: their row stride is n_cols.
-        grid = self.grid(n_rows)
+        grid = self.grid(n_rows, x.get_device())
         args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
-        if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
-            _launch(wrap_triton(norm_fwd_kernel), grid, args, self.constexprs, self.num_warps)
+        if traced_kernel is not None:
+            _launch(traced_kernel, grid, args, self.constexprs, self.num_warps)
             return y, new_residual, stats
         # The launcher's key by plan: this launch fixes every dtype (residual_after's is the norm's output dtype,
         # which the key checks all the same), which pointers are None, n_cols, the constexprs and num_warps; per
@@ -301,7 +350,27 @@ def norm_forward(
     n_cols = int(x.shape[-1])
     launch = forward_launch(x.dtype, dtype_of(residual), dtype_of(weight), dtype_of(bias), n_cols, mode,
                             residual_after is not None, store_stats, device_arch(x.get_device()))
+    if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
+        return launch(x, residual, weight, bias, eps, residual_after, wrap_triton(norm_fwd_kernel))
     return launch(x, residual, weight, bias, eps, residual_after)
+
+
+def backward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, device_index: int) -> tuple[int, int, int]:
+    """``(programs, partial rows, rows per group)`` of a backward launch of ``n_rows`` rows of ``n_cols`` elements
+    tiled as ``tiling`` (``backward_plan``) on GPU ``device_index`` (-1: the interpreter, which runs programs one
+    after another: ``INTERPRET_PROGRAMS`` do). The persistent grid holds ``tiling.programs_per_sm`` programs an SM.
+    A single tile: one program and one partial row per slot, at most one per row block (rows per group: 0, unused).
+    Wider rows: row groups of ``rows per group`` rows (a multiple of the tile's rows) times column blocks fill the
+    slots, each group writing one partial row."""
+    n_row_blocks = _cdiv(n_rows, tiling.block_m)
+    slots = INTERPRET_PROGRAMS if device_index < 0 else _sm_count(device_index) * tiling.programs_per_sm
+    if tiling.single_tile:
+        n_partials = min(n_row_blocks, slots)
+        return n_partials, n_partials, 0
+    n_col_blocks = _cdiv(n_cols, tiling.block_n)
+    rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * tiling.block_m
+    n_partials = _cdiv(n_rows, rows_per_group)
+    return n_partials * n_col_blocks, n_partials, rows_per_group
 
 
 def norm_backward(
@@ -315,10 +384,13 @@ def norm_backward(
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the backward kernels (``norm_bwd_kernel`` for rows of one tile; ``row_dot_kernel`` then
-    ``column_bwd_kernel`` for wider ones), then ``sum_partials_kernel`` for the weight (and bias) gradient. Returns
+    """Runs the backward: ``norm_bwd_kernel`` for rows of one tile, one launch; ``row_dot_kernel`` then
+    ``column_bwd_kernel`` for wider ones, whose programs end by summing the weight (and bias) gradient. Returns
     ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
-    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight."""
+    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight.
+
+    ``stats`` must be as a forward returned them, their counters zero (``modes.STATS_SYNC_SLOTS``; autograd
+    always passes them so): the kernels count on them and leave them zero again."""
     shape = norm_input.shape
     n_cols = int(shape[-1])  # concrete, as in the forward
     device = norm_input.device
@@ -326,39 +398,38 @@ def norm_backward(
     dres = None if dres_dtype is None else _new_rows(norm_input, dres_dtype)
     n_rows = norm_input.numel() // n_cols if n_cols else 0
     elem_bytes = max(t.element_size() for t in (dy, norm_input, dsum) if t is not None)
-    plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()))
+    m = get_mode(mode)
+    plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()),
+                         bwd_live_tiles(weight is not None, bias_dtype is not None, m))
     n_row_blocks = _cdiv(n_rows, plan.block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = None if weight is None else torch.zeros_like(weight)
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
         return dx, dres, dweight, dbias
 
-    # Triton's interpreter (launch.py only runs on the CPU there) runs programs one after another: a few do.
-    slots = INTERPRET_BWD_PROGRAMS if not dy.is_cuda else _sm_count(device.index or 0) * plan.programs_per_sm
-    if plan.single_tile:
-        n_partials = grid = min(n_row_blocks, slots)
-    else:
-        # Row groups times column blocks fill the slots; each group writes one row of partial sums.
-        n_col_blocks = _cdiv(n_cols, plan.block_n)
-        rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * plan.block_m
-        n_partials = _cdiv(n_rows, rows_per_group)
-        grid = n_partials * n_col_blocks
+    grid, n_partials, rows_per_group = backward_grid(plan, n_rows, n_cols, dy.get_device())
     dw_partial = None if weight is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
     db_partial = None if bias_dtype is None else torch.empty((n_partials, n_cols), dtype=torch.float32, device=device)
+    dweight = None if weight is None else torch.empty_like(weight)
+    dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
 
     dy2, stride_dy = _as_rows(dy, n_cols)
     s2, stride_s = _as_rows(norm_input, n_cols)
     weight = None if weight is None else weight.contiguous()  # unit stride, as in the forward
     stats = stats.contiguous()
+    # The counters the kernels count on: the statistics' own (modes.STATS_SYNC_SLOTS), or, while torch.compile
+    # traces the launch, fresh zeros: the statistics are an input of the traced backward graph, and torch's
+    # analysis of the kernel would find them written and copy them back.
+    sync = torch.zeros(STATS_SYNC_SLOTS, dtype=stats.dtype, device=device) if is_traced(dy) else stats
     dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
-    flags = get_mode(mode).kernel_flags
+    flags = m.kernel_flags
     gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
                      HAS_BIAS=bias_dtype is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                      NUM_STAGES=plan.num_stages)
     if plan.single_tile:
         _launch(
             wrap_triton(norm_bwd_kernel) if is_traced(dy) else norm_bwd_kernel, grid,
-            (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial,
+            (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
              n_rows, n_cols, n_row_blocks,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,
@@ -374,20 +445,9 @@ def norm_backward(
         )
         _launch(
             wrap_triton(column_bwd_kernel) if is_traced(dy) else column_bwd_kernel, grid,
-            (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial,
-             n_rows, n_cols, n_col_blocks, rows_per_group,
+            (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
+             n_rows, n_cols, _cdiv(n_cols, plan.block_n), rows_per_group,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,
-        )
-    dweight = None if weight is None else torch.empty_like(weight)
-    dbias = None if bias_dtype is None else torch.empty(n_cols, dtype=bias_dtype, device=device)
-    if dweight is not None or dbias is not None:
-        _launch(
-            wrap_triton(sum_partials_kernel) if is_traced(dy) else sum_partials_kernel,
-            _cdiv(n_cols, REDUCE_BLOCK_N),
-            (dw_partial, db_partial, dweight, dbias, n_partials, n_cols),
-            dict(HAS_WEIGHT=dweight is not None, HAS_BIAS=dbias is not None, BLOCK_P=REDUCE_BLOCK_P,
-                 BLOCK_N=REDUCE_BLOCK_N),
-            REDUCE_NUM_WARPS,
         )
     return dx, dres, dweight, dbias

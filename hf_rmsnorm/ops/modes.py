@@ -21,9 +21,19 @@ Face's RMSNorm bodies (``x.float()``) do. Only the PyTorch reference sees fp64: 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
+
+# The statistics a forward saves for its backward are one flat tensor: STATS_SYNC_SLOTS int32 counters (in the
+# fp32 tensor's first elements, zero bits being zero in both), then ``rstd`` of every row, then, when centring, the
+# row means. The forward kernel zeroes the counters; the backward kernel's programs count on them to agree on when
+# every partial weight gradient is written and who sums it (kernels.py, ``_sum_partials_once_written``), and its
+# last program zeroes them again, so that the tensor a forward returns is the tensor every backward finds. Four
+# int32 counters are 16 bytes: the values after them keep the tensor's 16-byte alignment. The PyTorch
+# implementation saves the same layout, its counters zero.
+STATS_SYNC_SLOTS = 4
 
 
 @dataclass(frozen=True)
@@ -83,8 +93,22 @@ class Mode:
         return torch.float64 if self.keeps_fp64 and norm_dtype == torch.float64 else torch.float32
 
     def stats_shape(self, shape: torch.Size) -> tuple[int, ...]:
-        """Shape of the per-row statistics the backward reads: ``rstd``, stacked with the means when centring."""
-        return (2, *shape[:-1]) if self.centre else tuple(shape[:-1])
+        """Shape of the statistics a forward of an input of ``shape`` saves for the backward (the layout of
+        ``STATS_SYNC_SLOTS``): one dimension, the counters, ``rstd`` per row, the means too when centring."""
+        return ((2 if self.centre else 1) * math.prod(shape[:-1]) + STATS_SYNC_SLOTS,)
+
+    def pack_stats(self, rstd: torch.Tensor, mean: torch.Tensor | None) -> torch.Tensor:
+        """The statistics of rows with these ``rstd`` and means (None unless centring), counters zero."""
+        values = (rstd, mean) if self.centre else (rstd,)
+        return torch.cat([rstd.new_zeros(STATS_SYNC_SLOTS), *(v.reshape(-1) for v in values)])
+
+    def unpack_stats(self, stats: torch.Tensor, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(rstd, mean)`` of an input of ``shape``, each of shape ``shape[:-1]`` (mean None unless centring),
+        from its statistics."""
+        values = stats[STATS_SYNC_SLOTS:]
+        rows = math.prod(shape[:-1])
+        rstd = values[:rows].view(shape[:-1])
+        return rstd, values[rows:2 * rows].view(shape[:-1]) if self.centre else None
 
 
 MODES: dict[str, Mode] = {

@@ -69,6 +69,17 @@ def test_async_copies_are_counted_and_required_of_a_pipelined_loop():
     assert kernel_inspect.problems(record) == []
 
 
+def test_spills_are_a_problem_beyond_the_budget_only():
+    record = kernel_inspect.Record(
+        arch="sm_90", kernel="norm_bwd_kernel", variant="bwd", dtype="bf16", hidden=16384, rows=4095, mode="llama",
+        block_m=1, block_n=16384, single_tile=True, num_warps=16, num_stages=1, registers=128,
+        spill_bytes=kernel_inspect.MAX_SPILL_BYTES, local_mem_ops=16, shared_bytes=0, vector_bits=128,
+        store_vector_bits=128, async_copies=0)
+    assert kernel_inspect.problems(record) == []
+    record.spill_bytes += 8
+    assert kernel_inspect.problems(record) == [f"spills {kernel_inspect.MAX_SPILL_BYTES + 8} B (16 local ops)"]
+
+
 def test_parse_resource_usage_counts_stack_as_spill():
     text = (" Function norm_fwd_kernel:\n"
             "  REG:64 STACK:1064 SHARED:1024 LOCAL:8 CONSTANT[0]:624 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
@@ -88,26 +99,25 @@ def test_inspection_names_the_triton_it_needs(monkeypatch):
 
 @pytest.mark.skipif(kernel_inspect.unavailable_reason() is not None,
                     reason=str(kernel_inspect.unavailable_reason()))
-def test_inspect_kernels_no_spills_and_128_bit_bf16_loads(tmp_path):
+def test_inspect_kernels_spills_within_the_budget_and_128_bit_bf16_loads(tmp_path):
     # The fused-add forward and its backward, one hidden size kept whole in registers and one wider (the forward
     # loops over column blocks; the backward is the row reductions, then the column-blocked kernel).
     out = tmp_path / "inspect.json"
     proc = _run_script("inspect_kernels", "--arch", "sm_90", "--hidden", "4096", "65536", "--dtype", "bf16",
-                       "--variant", "fwd+res", "bwd+dsum", "bwd-sum", "bwd-dot", "--strict", "--json", str(out),
+                       "--variant", "fwd+res", "bwd+dsum", "bwd-dot", "--strict", "--json", str(out),
                        timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = json.loads(out.read_text())
     assert {(r["kernel"], r["variant"], r["hidden"], r["single_tile"]) for r in records} == {
         ("norm_fwd_kernel", "fwd+res", 4096, True), ("norm_fwd_kernel", "fwd+res", 65536, False),
         ("norm_bwd_kernel", "bwd+dsum", 4096, True), ("column_bwd_kernel", "bwd+dsum", 65536, False),
-        ("row_dot_kernel", "bwd-dot", 65536, False),  # no row reductions apart for rows of one tile
-        ("sum_partials_kernel", "bwd-sum", 4096, True), ("sum_partials_kernel", "bwd-sum", 65536, True)}
+        ("row_dot_kernel", "bwd-dot", 65536, False)}  # no row reductions apart for rows of one tile
     # Both backward row loops are pipelined: their loads are asynchronous copies into shared memory.
     for r in records:
         if r["variant"] == "bwd+dsum":
             assert r["num_stages"] > 1 and r["async_copies"] > 0, r
         assert r["dtype"] == "bf16"
-        assert r["spill_bytes"] == 0 and r["local_mem_ops"] == 0, r
+        assert r["spill_bytes"] <= kernel_inspect.MAX_SPILL_BYTES, r
         assert r["vector_bits"] == 128, r
         assert 0 < r["registers"] <= 255
 

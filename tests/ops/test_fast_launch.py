@@ -14,7 +14,7 @@ import torch
 from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import backend, fast_launch, functional, launch
 from hf_rmsnorm.ops.fast_launch import CachedLauncher, _arg_key
-from hf_rmsnorm.ops.kernels import norm_fwd_kernel
+from hf_rmsnorm.ops.kernels import norm_fwd_kernel, row_count_args
 from harness.kernel_inspect import capture_launch
 
 HIDDEN = 64
@@ -26,7 +26,9 @@ def _jit_forward_kernel():
     """The forward kernel as a GPU process defines it: under the interpreter it is an InterpretedFunction."""
     from triton.runtime.jit import JITFunction
 
-    return norm_fwd_kernel if isinstance(norm_fwd_kernel, JITFunction) else JITFunction(norm_fwd_kernel.fn)
+    if isinstance(norm_fwd_kernel, JITFunction):
+        return norm_fwd_kernel
+    return JITFunction(norm_fwd_kernel.fn, do_not_specialize=row_count_args(norm_fwd_kernel.fn))
 
 
 def _triton_binder():
@@ -117,6 +119,22 @@ def test_equal_keys_mean_equal_triton_specialisations():
         spec = repr(specialization)
         assert seen.setdefault(key, spec) == spec, f"one key, two specialisations: {key}"
     assert len(set(seen.values())) > 1  # the launches really did specialise differently
+
+
+def test_the_row_count_specialises_nothing_but_its_integer_width():
+    """Batch invariance: launches of 1, 2, 16, 17 and 4095 rows bind to one specialisation (Triton would make a
+    row count of 1 a constant and note one divisible by 16), so every batch size runs the same compiled kernel;
+    past 2**31 rows only the integer's width changes."""
+    binder = _triton_binder()
+    x = torch.empty(4096, dtype=torch.bfloat16)
+    _, _, flags = capture_launch("fwd+res", torch.bfloat16, 4096, 1, "llama", sm_count=132)
+    flags = {name: value for name, value in flags.items() if name != "num_warps"}
+
+    def specialisation(n_rows: int) -> str:
+        return repr(binder(x, x, x, None, x, x, x.float(), n_rows, 4096, 4096, 4096, 4096, 4096, 1e-6, **flags)[1])
+
+    assert len({specialisation(n_rows) for n_rows in (1, 2, 16, 17, 4095)}) == 1
+    assert specialisation(2**31 + 1) != specialisation(1)
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
 from hf_rmsnorm.ops import reference
 from hf_rmsnorm.ops.functional import BoundNorm, fused_add_norm, norm
+from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted, runs_kernels
 
 pytestmark = pytest.mark.skipif(
@@ -242,9 +243,9 @@ BACKWARD_CASES = [
          "norm_bwd: dsum has shape (64,) but norm_input has shape (4, 64); dsum must have exactly norm_input's "
          "shape"),
     Case("stats[3]", lambda d: {"stats": _t(3, dtype=torch.float32)}, ValueError,
-         "norm_bwd: stats has shape (3,) but mode 'llama' saves (4,) for norm_input of shape (4, 64)"),
-    Case("layernorm stats[4]", lambda d: {"mode": "layernorm"}, ValueError,
-         "norm_bwd: stats has shape (4,) but mode 'layernorm' saves (2, 4) for norm_input of shape (4, 64)"),
+         "norm_bwd: stats has shape (3,) but mode 'llama' saves (8,) for norm_input of shape (4, 64)"),
+    Case("layernorm with llama's stats", lambda d: {"mode": "layernorm"}, ValueError,
+         "norm_bwd: stats has shape (8,) but mode 'layernorm' saves (12,) for norm_input of shape (4, 64)"),
     Case("weight[32]", lambda d: {"weight": _t(32, dtype=d)}, ValueError,
          "norm_bwd: weight has shape (32,) but norm_input's last dimension is 64; weight must be 1-D of size 64"),
     Case("norm_input on meta", lambda d: {"norm_input": _t(ROWS, HIDDEN, dtype=d, device="meta")}, ValueError,
@@ -259,7 +260,8 @@ BACKWARD_CASES = [
 def _backward_args(dtype: torch.dtype, case: Case | None = None) -> dict:
     args = {"dy": _t(ROWS, HIDDEN, dtype=dtype, seed=7), "dsum": None,
             "norm_input": _t(ROWS, HIDDEN, dtype=dtype, seed=8),
-            "stats": _t(ROWS, dtype=torch.float32, seed=9).abs() + 0.5, "weight": _t(HIDDEN, dtype=dtype, seed=10),
+            "stats": MODES["llama"].pack_stats(_t(ROWS, dtype=torch.float32, seed=9).abs() + 0.5, None),
+            "weight": _t(HIDDEN, dtype=dtype, seed=10),
             "bias_dtype": None, "mode": "llama", "dx_dtype": dtype, "dres_dtype": None}
     return args if case is None else {**args, **case.changes(dtype)}
 
@@ -305,7 +307,7 @@ ODD_SHAPES = {
 @pytest.mark.parametrize("shape", list(ODD_SHAPES))
 def test_valid_odd_shapes_still_work(shape, mode, dtype):
     """Odd but valid layouts pass the checks on both implementations and give what the PyTorch implementation
-    gives, forward and backward (the layernorm mode saves stats of shape ``(2, *rows)``, which the backward's
+    gives, forward and backward (the layernorm mode saves the row means with ``rstd``, which the backward's
     check must accept)."""
     x = ODD_SHAPES[shape](dtype, 13).requires_grad_()
     residual = ODD_SHAPES[shape](dtype, 14).requires_grad_()
