@@ -20,7 +20,7 @@ from family_cases import CASES, DERIVED, names
 from harness import residual_census
 from patch_models import Parity, assert_patch_keeps_greedy_tokens
 from hf_rmsnorm import check_model, patch_model, unpatch_model
-from hf_rmsnorm.patch import derived
+from hf_rmsnorm.patch import derived, fused, handoff
 from hf_rmsnorm.patch.derived import AddSite
 
 HIDDEN = 48
@@ -265,15 +265,20 @@ def test_the_derived_forward_keeps_the_decorators_signature_and_source():
     from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeDecoderLayer
 
     sites = _sites(GraniteMoeDecoderLayer)
-    forward = derived.fused_forward(GraniteMoeDecoderLayer, derived.DerivedLayerKind("x", sites, "input_layernorm"))
+    kind = derived.DerivedLayerKind("x", sites, "input_layernorm")
+    forward = derived.fused_forward(GraniteMoeDecoderLayer, kind)
 
-    assert inspect.signature(forward) == inspect.signature(GraniteMoeDecoderLayer.forward)
+    # The layer's forward has the original's signature; the derived body it calls takes the handoff's call too.
+    signature = inspect.signature(GraniteMoeDecoderLayer.forward)
+    assert inspect.signature(fused.fused_class(GraniteMoeDecoderLayer, kind).forward) == signature
+    assert inspect.signature(forward).replace(parameters=[
+        p for p in inspect.signature(forward).parameters.values() if p.name != handoff.CALL_PARAM]) == signature
     assert hasattr(GraniteMoeDecoderLayer.forward, "__wrapped__") == hasattr(forward, "__wrapped__")
     # Compiled under the original's file and lines (tracebacks point at the modeling code), calling the helpers.
     code, original = inspect.unwrap(forward).__code__, inspect.unwrap(GraniteMoeDecoderLayer.forward).__code__
     assert code.co_filename == original.co_filename
     assert linecache.getline(code.co_filename, code.co_firstlineno).strip().startswith("def forward(")
-    assert {"norm_of_sum", "stream_sum"} <= set(code.co_names)
+    assert {"norm_of_sum", "stream_sum", "input_norm"} <= set(code.co_names)
 
 
 # ----------------------------------------------------------------------------------- transformers' own models
