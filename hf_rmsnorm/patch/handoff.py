@@ -185,15 +185,9 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
         return True
     if _global_hooks(_BACKWARD_HOOKS) or hooked(norm) or _backward_hooked(norm) or "_hf_hook" in norm.__dict__:
         return True
-    if not _fused_layer(layer) or _backward_hooked(layer):
+    if not _fused_layer(layer) or _watched(layer, allowed_pre_hook=_is_stream_centring):
         return True
-    if any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values()):
-        return True
-    if any(not _is_stream_centring(hook) for hook in layer._forward_pre_hooks.values()):
-        return True
-    if consumer is norm:
-        return False
-    return not _fused_layer(consumer) or _backward_hooked(consumer) or bool(consumer._forward_pre_hooks)
+    return consumer is not norm and (not _fused_layer(consumer) or _watched(consumer))
 
 
 def hooked(module: nn.Module) -> bool:
@@ -211,6 +205,16 @@ def _fused_layer(module: nn.Module) -> bool:
 
 def _backward_hooked(module: nn.Module) -> bool:
     return bool(module._backward_hooks or module._backward_pre_hooks)
+
+
+def _watched(layer: nn.Module, allowed_pre_hook=lambda hook: False) -> bool:
+    """Whether a hook of ``layer`` would see its private arguments or its appended output: a backward hook, a
+    forward hook but transformers' output recorders, a pre-hook but ``allowed_pre_hook``'s."""
+    return (
+        _backward_hooked(layer)
+        or any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values())
+        or any(not allowed_pre_hook(hook) for hook in layer._forward_pre_hooks.values())
+    )
 
 
 def _is_output_recorder(hook) -> bool:
