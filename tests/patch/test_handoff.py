@@ -10,6 +10,7 @@ import torch
 from family_cases import CASES
 from patch_models import clone, input_ids, tiny_model, without_layer_fusion
 from transformers import CONFIG_MAPPING
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from harness import residual_census
 from hf_rmsnorm import patch_model
@@ -17,7 +18,7 @@ from hf_rmsnorm import patch_model
 # Llama and Qwen3 (registered sequential layers), GraniteMoE (its forward derived from its code), Gemma2 (a
 # sandwich layer: its adds go into the norms inside it, nothing is handed on).
 FAMILIES = ["llama", "qwen3", "lfm2", "apertus", "gemma2"]
-MODES = ["eager", "compiled", "checkpointed", "checkpointed reentrant"]
+MODES = ["eager", "compiled", "layers compiled", "checkpointed", "checkpointed reentrant"]
 
 
 def _model(family: str):
@@ -47,9 +48,13 @@ def _train_step(model, mode: str, ids) -> tuple[int, torch.Tensor, dict[str, tor
     if mode.startswith("checkpointed"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode.endswith("reentrant")})
     runner = model
+    torch._dynamo.reset()
     if mode == "compiled":
-        torch._dynamo.reset()
         runner = torch.compile(model, backend="aot_eager", fullgraph=True)
+    elif mode == "layers compiled":  # each decoder layer compiled on its own, the loop run by Python
+        for layer in model.modules():
+            if isinstance(layer, GradientCheckpointingLayer):
+                layer.compile(backend="aot_eager", fullgraph=True)
     outputs = []
     count = residual_census.fused_adds(
         runner, lambda m: outputs.append(m(ids, labels=ids, use_cache=False)), grad=True)
@@ -62,8 +67,9 @@ def _train_step(model, mode: str, ids) -> tuple[int, torch.Tensor, dict[str, tor
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_add_is_fused_in_training_with_the_unfused_gradients(family, mode, monkeypatch):
-    """Compiled (one graph) and checkpointed (either kind) training fuses every add eager training does, and the
-    logits and every gradient are those of the same run with the adds apart, bit for bit."""
+    """Compiled (the model in one graph, or each layer in its own) and checkpointed (either kind) training fuses
+    every add eager training does, and the logits and every gradient are those of the same run with the adds
+    apart, bit for bit."""
     model = _model(family)
     ids = input_ids(seq=6)
     patched = clone(model)
