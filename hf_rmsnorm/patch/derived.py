@@ -1,4 +1,5 @@
-"""Fused forwards derived from a decoder layer's own code, for layers of no shape ``shapes.py`` describes.
+"""Fused forwards derived from a decoder layer's own code, for layers of no shape ``shapes.py`` describes, and
+the stacks' forwards derived from theirs, whose layer loop hands each layer's normed output on (``handoff.py``).
 
 The forward transformers installed is read (its source, parsed) and every residual add next to a norm is found
 by its statement pattern; the fused forward is that same source with only those adds rewritten, compiled
@@ -13,16 +14,19 @@ The three patterns, in the layer's own names (``F`` is ``self.<attribute path>``
 
     before a norm:  s = a + b; [r = s ...]; ... F(s) ...   ->  normed, s = norm_of_sum(F, a, b); [r = s]; ... normed ...
     after a norm:   y = F(e); s = r + y   (or s = r + F(e), return r + y) ->  s = norm_then_add(F, e, r)
-    layer output:   s = a + b; return s   (or return s, ..., return a + b) ->  s = stream_sum(self, a, b); return s
+    layer output:   s = a + b; return s   (or return s, ..., return a + b) ->  s = stream_sum(call, a, b); return s
+    input norm:     ... F(x) ...   (x the input, or x.to(...))   ->  ... input_norm(call, F, x, x) ...
 
 (``F(s)`` may sit anywhere in the statement after the add; any other read of ``s`` there must be an operand of
 an arithmetic operator. The output pattern also matches an add ending an ``if`` branch followed by the
 ``return``. The layer's input norm, where a previous layer hands its output's norm over, is the norm applied to
-the input before anything else reads it, in each branch of an ``if`` alike.)
+the input before anything else reads it, in each branch of an ``if`` alike. ``call`` is the
+``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``.)
 
 ``before``: the sum and the norm of it from one kernel (the norm's ``residual=``); ``after``: the norm's kernel
 also adds (its ``add_to=``); ``output``: the layer's last add, computed by the next layer's input norm (or the
-final norm) when the stack links them (``handoff.py``). Each helper checks at every call that the fused kernel
+final norm) when the derived stack loop asks for it; ``input norm``: the normed sum the previous layer handed on,
+when it did (``handoff.py``). Each helper checks at every call that the fused kernel
 computes what the original expression does (both operands tensors of one shape, type and device, the callee a
 patched norm without hooks) and otherwise evaluates the original expression, so a site the plan did not expect
 (a norm left alone, a broadcast add) still computes the original function. Operands are evaluated in the

@@ -178,12 +178,12 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
     ``link``'s norm, or would see the private arguments (module docstring): then the loop makes the plain calls.
     Issue 29 generalises this guard; it is the one place it lives."""
     norm, consumer = link.norm, link.consumer
-    if link.parent._modules.get(link.attribute) is not norm:
+    if link.parent._modules.get(link.attribute) is not norm or _global_hooks(backward=True):
         return True
     weight = getattr(norm, "weight", None)
     if isinstance(weight, Tensor) and weight.device != hidden_states.device:
         return True
-    if _global_hooks(_BACKWARD_HOOKS) or hooked(norm) or _backward_hooked(norm) or "_hf_hook" in norm.__dict__:
+    if hooked(norm) or _backward_hooked(norm) or "_hf_hook" in norm.__dict__:
         return True
     if not _fused_layer(layer) or _watched(layer, allowed_pre_hook=_is_stream_centring):
         return True
@@ -193,7 +193,7 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
 def hooked(module: nn.Module) -> bool:
     """Whether a forward hook or pre-hook, of ``module`` or global, would see ``module``'s call: a fused call
     passes it other arguments than the original's."""
-    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_hooks(_FORWARD_HOOKS)
+    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_hooks(backward=False)
 
 
 def _fused_layer(module: nn.Module) -> bool:
@@ -210,6 +210,8 @@ def _backward_hooked(module: nn.Module) -> bool:
 def _watched(layer: nn.Module, allowed_pre_hook=lambda hook: False) -> bool:
     """Whether a hook of ``layer`` would see its private arguments or its appended output: a backward hook, a
     forward hook but transformers' output recorders, a pre-hook but ``allowed_pre_hook``'s."""
+    if not (layer._forward_hooks or layer._forward_pre_hooks):  # the common case, decided without a scan
+        return _backward_hooked(layer)
     return (
         _backward_hooked(layer)
         or any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values())
@@ -231,10 +233,9 @@ def _is_stream_centring(hook) -> bool:
             and getattr(hook, "__module__", None) == f"{__package__}.conversion")
 
 
-_FORWARD_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
-_BACKWARD_HOOKS = ("_global_backward_hooks", "_global_backward_pre_hooks")
-
-
-def _global_hooks(names: tuple[str, ...]) -> bool:
+def _global_hooks(*, backward: bool) -> bool:
+    """Whether a global module hook is installed: a forward hook or pre-hook, or (``backward``) a backward one."""
     module = torch.nn.modules.module
-    return any(getattr(module, name, None) for name in names)
+    if backward:
+        return bool(module._global_backward_hooks or module._global_backward_pre_hooks)
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
