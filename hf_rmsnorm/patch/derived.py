@@ -246,16 +246,19 @@ def _loop_final_norm(
 
 def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     """The name the hidden states get from the layer call ``call``: ``h = layer(...)``, ``h, *other = layer(...)``,
-    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else)."""
+    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else but as ``out[k]``, its other items)."""
     target = call.targets[0]
     if isinstance(target, ast.Tuple):
         return target.elts[0].id if target.elts and isinstance(target.elts[0], ast.Name) else None
     if not isinstance(target, ast.Name):
         return None
+    items = {id(n.value): n.slice.value for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+             if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and type(n.slice.value) is int}
     picks = [s for s in body if _assigned_name(s) and isinstance(s.value, ast.Subscript)
              and isinstance(s.value.value, ast.Name) and s.value.value.id == target.id
-             and isinstance(s.value.slice, ast.Constant) and s.value.slice.value == 0]
-    if len(picks) == 1 and len(_named(body, target.id)) == 2:  # its assignment and the pick
+             and items.get(id(s.value.value)) == 0]
+    reads = [n for n in _named(body, target.id) if n is not target]
+    if len(picks) == 1 and all(n is picks[0].value.value or items.get(id(n), 0) > 0 for n in reads):
         return _assigned_name(picks[0])
     return target.id
 
