@@ -601,13 +601,13 @@ def headline(results: list[Coverage]) -> str:
               "`hf_rmsnorm/patch/derived.py` rewrites (a scaled add through a function, a norm inside a gated "
               "wrapper, an add between two stacks, a model loop that touches the hidden states between layers); "
               "the patch report's skipped modules give the layers' side.")
-    fewer = [f"{r.model_type} ({', '.join(r.fuses_fewer_than_eager())} of {r.adds_fused_in_forward})"
+    fewer = [f"{r.model_type} ({', '.join(r.fuses_fewer_than_eager())}; {r.adds_fused_in_forward} eagerly)"
              for r in ok if r.fuses_fewer_than_eager()]
     runs = (f"\n\n**{len(ok) - len(fewer)} of the {len(ok)} fuse in a compiled forward (`torch.compile`, graph "
             "breaks allowed) and in a checkpointed training forward (non-reentrant activation checkpointing of "
             f"every layer) every add their eager forward fuses** (the two middle counts of the adds column). The "
-            f"others, with the adds fused there of those fused eagerly: {'; '.join(fewer) or 'none'} (a count not "
-            "measured is a forward that fails here for another reason: their row says why).")
+            f"others, with the adds fused there: {'; '.join(fewer) or 'none'} (a count not measured is a forward that "
+            "fails here for another reason: their row says why).")
     return (f"**{len(ok)} of the {len(rms)} model types that use an RMSNorm are patched with parity "
             f"({100 * len(ok) / max(len(rms), 1):.0f}%)**, {checked} of them built and checked here. The others "
             "count against the share and nothing else is claimed for them (the reason is in their row): "

@@ -65,8 +65,8 @@ def _parallel_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCa
                    **kwargs) -> Tensor:
     """The parallel pre-norm block of ``LayerKind`` (both branches read the same input): the original's calls
     in the original's order (the dropouts draw random numbers), then ``(attention + mlp) + residual``, whose
-    add goes into the next norm's kernel in inference (the branch sum is computed first, as the original does;
-    NeoX's ``mlp + attention`` is the same IEEE sum)."""
+    add goes into the next norm's kernel when the derived stack loop asks (the branch sum is computed first, as
+    the original does; NeoX's ``mlp + attention`` is the same IEEE sum)."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
     normed = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)

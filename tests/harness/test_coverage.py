@@ -127,7 +127,7 @@ def test_the_page_counts_the_adds_fused_in_compiled_and_checkpointed_forwards():
     ]
     line = coverage.headline(results)
     assert "1 of the 3 fuse in a compiled forward" in line
-    assert "b (compiled 2 of 4); c (compiled not measured of 4)" in line
+    assert "b (compiled 2; 4 eagerly); c (compiled not measured; 4 eagerly)" in line
     page = coverage.render(results, "0")
     assert "| 4, 2, 4 / 4 |" in page and "| 4, –, 4 / 4 |" in page
     assert "not counted: compiled: Unsupported: a graph break |" in page
