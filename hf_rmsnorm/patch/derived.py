@@ -819,7 +819,9 @@ def _replace(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
                         value[k] = new
 
 
-def _input_norm(function: ast.FunctionDef, norms: frozenset[tuple[str, ...]]) -> tuple[str, tuple[ast.Call, ...]] | None:
+def _input_norm(
+    function: ast.FunctionDef, norms: frozenset[tuple[str, ...]]
+) -> tuple[str, tuple[ast.Call, ...]] | None:
     """The attribute of the norm the forward applies to its first argument before anything could touch it, and
     its calls, or None (``_first_norm``)."""
     found = _first_norm(function.body, {function.args.args[1].arg}, _self_name(function), norms)
