@@ -34,6 +34,7 @@ import json
 import re
 import signal
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -102,6 +103,8 @@ OVERRIDES: dict[str, dict] = {
 # The largest model built: a type whose sizes the shrinking misses stays small enough for a CPU check.
 MAX_PARAMETERS = 20_000_000
 FP32_TOLERANCE = 1e-4
+# How the checkpointed census forward checkpoints every layer: transformers' default kind.
+CHECKPOINTING = {"use_reentrant": False}
 BF16_MEAN_SLACK = 1.10
 BATCH, SEQ = 2, 8
 # Spread of a trained checkpoint's norm parameters around their initial values (``randomise_norms``).
@@ -131,6 +134,12 @@ class Coverage:
     # adds the patched model's norm kernels made instead. None: not measured.
     adds_next_to_norms: int | None = None
     adds_fused_in_forward: int | None = None
+    # The adds the patched model's kernels made in a compiled forward (``torch.compile``, Dynamo with its eager
+    # backend, graph breaks allowed) and in a checkpointed training forward (``CHECKPOINTING`` on every layer).
+    # None: not measured, ``unmeasured`` says why.
+    adds_fused_compiled: int | None = None
+    adds_fused_checkpointed: int | None = None
+    unmeasured: str = ""
     # The code sites (file:line, one per add run) of those adds still run apart in the patched model.
     unfused_add_sites: list[str] = dataclasses.field(default_factory=list)
 
@@ -138,6 +147,11 @@ class Coverage:
     def fuses_every_add(self) -> bool:
         """Patched with parity, with every add next to a patched norm fused (none counts)."""
         return self.verdict in ("fused", "norms only") and self.adds_fused_in_forward == self.adds_next_to_norms
+
+    def fuses_fewer_than_eager(self) -> list[str]:
+        """The compiled and checkpointed forwards that fuse fewer adds than the eager one (or were not measured)."""
+        counts = (("compiled", self.adds_fused_compiled), ("checkpointed", self.adds_fused_checkpointed))
+        return [f"{run} {'not measured' if n is None else n}" for run, n in counts if n != self.adds_fused_in_forward]
 
 
 # A line of modeling code (not a comment) naming an RMSNorm class: its own, an import, or torch.nn.RMSNorm.
@@ -353,6 +367,11 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
             len(report.norms), len(report.fused_adds), len(report.skipped))
         patched32 = _logits(model, ids)
         result.adds_fused_in_forward = residual_census.fused_adds(model, functools.partial(_logits, ids=ids))
+        if report.fused_adds:
+            stage = "counting its compiled and checkpointed adds"
+            _count_compiled_and_checkpointed(result, model, ids)
+        else:  # no fused class: no forward can run an adding kernel
+            result.adds_fused_compiled = result.adds_fused_checkpointed = 0
         if result.adds_fused_in_forward < result.adds_next_to_norms:  # sites are lines: only where some are apart
             result.unfused_add_sites = residual_census.unfused_sites(
                 model, functools.partial(_logits, ids=ids), next_to_norms, width)
@@ -368,6 +387,38 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         signal.signal(signal.SIGALRM, previous)
         result.seconds = time.monotonic() - start
     return result
+
+
+def _count_compiled_and_checkpointed(result: Coverage, model, ids) -> None:
+    """``result.adds_fused_compiled`` and ``adds_fused_checkpointed`` of the patched ``model``: what each forward
+    that fails here says in ``result.unmeasured``. The checkpointed forward runs a copy in training mode with its
+    dropouts off (an active residual dropout stops a fusion whatever the checkpointing)."""
+    problems = []
+    torch._dynamo.reset()
+    try:
+        result.adds_fused_compiled = residual_census.fused_adds(
+            torch.compile(model, backend="eager"), functools.partial(_logits, ids=ids))
+    except _Timeout:
+        raise
+    except Exception as exc:  # the model does not compile here: recorded, the count goes on
+        problems.append("compiled: " + _describe(exc, 120))
+    finally:
+        torch._dynamo.reset()
+    checkpointed = copy.deepcopy(model).train()
+    for module in checkpointed.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 renamed the method
+            checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
+        result.adds_fused_checkpointed = residual_census.fused_adds(
+            checkpointed, lambda m: m(ids, use_cache=False), grad=True)
+    except _Timeout:
+        raise
+    except Exception as exc:  # no checkpointing, or its training forward fails here
+        problems.append("checkpointed: " + _describe(exc, 120))
+    result.unmeasured = "; ".join(problems)
 
 
 def _is_layer_norm(module: torch.nn.Module) -> bool:
@@ -496,15 +547,18 @@ def render(results: list[Coverage], transformers_version: str) -> str:
         *(f"| {v} | {' | '.join(str(counts[v, t]) for t in NORM_TYPES)} | "
           f"{sum(counts[v, t] for t in NORM_TYPES)} |" for v in VERDICTS), "",
         headline(results), "",
-        "| model type | class | verdict | norm type | norms | fused adds | adds next to norms: fused / all | "
-        "skipped modules | fp32 max err | bf16 mean err / eager | reason |",
+        "| model type | class | verdict | norm type | norms | fused adds | adds next to norms: fused in eager, "
+        "compiled, checkpointed / all | skipped modules | fp32 max err | bf16 mean err / eager | reason |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fp32 = "" if r.fp32_max_err is None else f"{r.fp32_max_err:.1e}"
         bf16 = "" if r.bf16_mean_err_ratio is None else f"{r.bf16_mean_err_ratio:.3f}"
-        reason = r.reason.replace("|", "/")
-        census = "" if r.adds_next_to_norms is None else f"{r.adds_fused_in_forward} / {r.adds_next_to_norms}"
+        reason = "; ".join(filter(None, (r.reason, r.unmeasured and f"not counted: {r.unmeasured}"))).replace("|", "/")
+        census = "" if r.adds_next_to_norms is None else (
+            ", ".join("–" if n is None else str(n) for n in (
+                r.adds_fused_in_forward, r.adds_fused_compiled, r.adds_fused_checkpointed))
+            + f" / {r.adds_next_to_norms}")
         lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {_norm_type_cell(r)} | {r.norms} | "
                      f"{r.fused_adds} | {census} | {r.skipped_modules} | {fp32} | {bf16} | {reason} |")
     return "\n".join(lines) + "\n"
@@ -547,6 +601,13 @@ def headline(results: list[Coverage]) -> str:
               "`hf_rmsnorm/patch/derived.py` rewrites (a scaled add through a function, a norm inside a gated "
               "wrapper, an add between two stacks, a model loop that touches the hidden states between layers); "
               "the patch report's skipped modules give the layers' side.")
+    fewer = [f"{r.model_type} ({', '.join(r.fuses_fewer_than_eager())}; {r.adds_fused_in_forward} eagerly)"
+             for r in ok if r.fuses_fewer_than_eager()]
+    runs = (f"\n\n**{len(ok) - len(fewer)} of the {len(ok)} fuse in a compiled forward (`torch.compile`, graph "
+            "breaks allowed) and in a checkpointed training forward (non-reentrant activation checkpointing of "
+            f"every layer) every add their eager forward fuses** (the two middle counts of the adds column). The "
+            f"others, with the adds fused there: {'; '.join(fewer) or 'none'} (a count not measured is a forward that "
+            "fails here for another reason: their row says why).")
     return (f"**{len(ok)} of the {len(rms)} model types that use an RMSNorm are patched with parity "
             f"({100 * len(ok) / max(len(rms), 1):.0f}%)**, {checked} of them built and checked here. The others "
             "count against the share and nothing else is claimed for them (the reason is in their row): "
@@ -557,7 +618,7 @@ def headline(results: list[Coverage]) -> str:
             f"not run: the norm type column). Counted apart: {layernorm_ok} of the {len(layernorm)} model types "
             "that normalise with a LayerNorm and no RMSNorm are patched with parity; "
             f"{len(neither)} model types use neither ({unknown} of them not built, their modeling code naming no "
-            "RMSNorm).\n\n" + fusion)
+            "RMSNorm).\n\n" + fusion + runs)
 
 
 def read(markdown: Path) -> list[Coverage]:

@@ -146,8 +146,10 @@ def adds_next_to_norms(model: nn.Module, run, norms: set[nn.Module], width: int)
     return census.next_to_norms()
 
 
-def fused_adds(model: nn.Module, run) -> int:
-    """The adding kernel calls in ``run(model)`` of a patched model (module docstring)."""
+def fused_adds(model: nn.Module, run, *, grad: bool = False) -> int:
+    """The adding kernel calls in ``run(model)`` of a patched model (module docstring), under ``no_grad`` unless
+    ``grad`` (a checkpointed or training forward). ``model`` may be compiled: torch.compile traces the count into
+    its graphs as a side effect it replays every time a graph runs."""
     calls = [0]
 
     def counted(function):
@@ -162,6 +164,6 @@ def fused_adds(model: nn.Module, run) -> int:
             original = getattr(BoundNorm, name)
             setattr(BoundNorm, name, counted(original))
             stack.callback(setattr, BoundNorm, name, original)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             run(model)
     return calls[0]

@@ -1,6 +1,6 @@
 """Patches a tiny random model of every causal-LM type of the installed transformers and checks its parity.
 
-    python scripts/coverage.py                                  # all types, about 4 minutes on 2 CPU cores
+    python scripts/coverage.py                                  # all types, about 18 minutes on 2 CPU cores
     python scripts/coverage.py --only nanochat gemma3_text      # some types, merged into the existing page
     python scripts/coverage.py --start 100 --count 50           # in chunks
 

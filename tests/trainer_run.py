@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from patch_models import VOCAB, tiny_model  # noqa: E402
 
 from hf_rmsnorm import patch_model  # noqa: E402
-from hf_rmsnorm.patch import fused  # noqa: E402
+from hf_rmsnorm.ops.functional import BoundNorm  # noqa: E402
 
 # Run name -> (model family, trainer class).
 RUNS = {"llama": ("llama", Trainer), "qwen3": ("qwen3", Trainer), "llama-sft": ("llama", SFTTrainer)}
@@ -47,17 +47,18 @@ KERNEL_ENTRY_POINTS = ("norm", "fused_add_norm", "norm_add")
 
 
 def count_kernel_calls(set_attr: Callable[[object, str, object], None] = setattr) -> collections.Counter[str]:
-    """Counts the calls patched norms make into the kernels, by op (the names ``fused.py`` calls); ``set_attr``
-    installs the counting wrappers (pytest's ``monkeypatch.setattr`` in a test process)."""
+    """Counts the calls patched norms make into the kernels, by op (the methods of their class's ``BoundNorm``
+    that ``fused.py`` calls); ``set_attr`` installs the counting wrappers (pytest's ``monkeypatch.setattr`` in a
+    test process)."""
     counts: collections.Counter[str] = collections.Counter()
     for name in KERNEL_ENTRY_POINTS:
-        op = getattr(fused, name)
+        op = getattr(BoundNorm, name)
 
         def counted(*args, _op=op, _name=name, **kwargs):
             counts[_name] += 1
             return _op(*args, **kwargs)
 
-        set_attr(fused, name, counted)
+        set_attr(BoundNorm, name, counted)
     return counts
 
 

@@ -1,4 +1,5 @@
-"""Fused forwards derived from a decoder layer's own code, for layers of no shape ``shapes.py`` describes.
+"""Fused forwards derived from a decoder layer's own code, for layers of no shape ``shapes.py`` describes, and
+the stacks' forwards derived from theirs, whose layer loop hands each layer's normed output on (``handoff.py``).
 
 The forward transformers installed is read (its source, parsed) and every residual add next to a norm is found
 by its statement pattern; the fused forward is that same source with only those adds rewritten, compiled
@@ -13,16 +14,19 @@ The three patterns, in the layer's own names (``F`` is ``self.<attribute path>``
 
     before a norm:  s = a + b; [r = s ...]; ... F(s) ...   ->  normed, s = norm_of_sum(F, a, b); [r = s]; ... normed ...
     after a norm:   y = F(e); s = r + y   (or s = r + F(e), return r + y) ->  s = norm_then_add(F, e, r)
-    layer output:   s = a + b; return s   (or return s, ..., return a + b) ->  s = stream_sum(self, a, b); return s
+    layer output:   s = a + b; return s   (or return s, ..., return a + b) ->  s = stream_sum(call, a, b); return s
+    input norm:     ... F(x) ...   (x the input, or x.to(...))   ->  ... input_norm(call, F, x, x) ...
 
 (``F(s)`` may sit anywhere in the statement after the add; any other read of ``s`` there must be an operand of
 an arithmetic operator. The output pattern also matches an add ending an ``if`` branch followed by the
 ``return``. The layer's input norm, where a previous layer hands its output's norm over, is the norm applied to
-the input before anything else reads it, in each branch of an ``if`` alike.)
+the input before anything else reads it, in each branch of an ``if`` alike. ``call`` is the
+``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``.)
 
 ``before``: the sum and the norm of it from one kernel (the norm's ``residual=``); ``after``: the norm's kernel
 also adds (its ``add_to=``); ``output``: the layer's last add, computed by the next layer's input norm (or the
-final norm) when the stack links them (``handoff.py``). Each helper checks at every call that the fused kernel
+final norm) when the derived stack loop asks for it; ``input norm``: the normed sum the previous layer handed on,
+when it did (``handoff.py``). Each helper checks at every call that the fused kernel
 computes what the original expression does (both operands tensors of one shape, type and device, the callee a
 patched norm without hooks) and otherwise evaluates the original expression, so a site the plan did not expect
 (a norm left alone, a broadcast add) still computes the original function. Operands are evaluated in the
@@ -52,17 +56,21 @@ from .families import NormKind, StackKind
 # The closure name the derived forward calls the helpers below by (this module, passed to it).
 _HELPERS = "_hf_rmsnorm_derived"
 _NORMED = "_hf_rmsnorm_normed_"
+# The local a derived stack forward keeps what its last layer call handed on in (``handoff.call_layer``).
+_HANDED = "_hf_rmsnorm_handed"
 
 
 @dataclass(frozen=True)
 class AddSite:
     """A residual add of a layer's forward next to a norm: ``position`` is ``"before"`` (the norm reads the sum),
     ``"after"`` (the sum adds the norm's output) or ``"output"`` (the layer returns the sum); ``norm`` is the norm's
-    attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file."""
+    attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file;
+    ``in_tuple``: an output returned first in a tuple (``return s, ...``), not alone."""
 
     position: str
     norm: tuple[str, ...]
     line: int
+    in_tuple: bool = False
 
     @property
     def label(self) -> str:
@@ -96,7 +104,12 @@ class DerivedLayerKind:
 
     @property
     def hands_off_last_add(self) -> bool:
-        return any(site.position == "output" for site in self.sites)
+        # Returned in one form (a tensor, or first in a tuple): what the derived loop takes the output as.
+        return len({site.in_tuple for site in self.sites if site.position == "output"}) == 1
+
+    @property
+    def returns_tuple(self) -> bool:
+        return any(site.in_tuple for site in self.sites if site.position == "output")
 
 
 @dataclass(frozen=True)
@@ -107,60 +120,81 @@ class LayerCode:
     input_norm: str | None
 
 
+@dataclass
+class _StackLoop:
+    """A loop over ``self.<layers>`` in a stack forward: the statement, the statement list holding it, and
+    ``final`` (``_loop_final_norm``); for a loop of ``stack_layout``'s form, its layer call statement and the calls
+    of the final norm that read its output."""
+
+    loop: ast.For
+    block: list[ast.stmt]
+    layers: str
+    final: str | bool | None
+    call: ast.Assign | None = None
+    final_calls: tuple[ast.Call, ...] = ()
+
+
 @functools.lru_cache(maxsize=None)
 def stack_layout(forward: object) -> tuple[str, str | None] | None:
     """``(layers, final norm)``, the attribute names of a stack forward of this form, or None::
 
         for layer in self.<layers>[...]:      # or: for i, layer in enumerate(self.<layers>[...])
             ...                               # statements that do not name h
-            h = layer(h, ...)                 # or layer(hidden_states=h, ...); h named nowhere else in the loop
+            h = layer(h, ...)                 # h passed first, positionally; named nowhere else in the loop
         ...                                   # statements that do not name h
         h = self.<final norm>(h)              # or any statement reading h once, in a call self.<final norm>(h)
 
     In such a forward nothing but the layers sees the hidden states between one layer and the next, or between
-    the last layer and the final norm: what a handoff needs (``handoff.py``). Every loop over the layers must
-    have that form (a handoff scope covers the whole forward); the final norm is None unless each loop is
+    the last layer and the final norm: where ``fused_stack_forward``'s loop hands a layer's normed output on
+    (``handoff.py``). Every loop over the layers must have that form; the final norm is None unless each loop is
     followed by the same one (the layers still hand over to each other)."""
     parsed = _parsed(forward)
     if isinstance(parsed, str):
         return None
     function = parsed[0]
-    self_name = _self_name(function)
-    layouts: list[tuple[str, str | bool | None]] = []
-    _layer_loops(function.body, [], self_name, layouts)
-    if not layouts or len({layers for layers, _ in layouts}) != 1 or any(final is False for _, final in layouts):
+    return _layout(_stack_loops(function, _self_name(function)))
+
+
+def _stack_loops(function: ast.FunctionDef, self_name: str) -> list[_StackLoop]:
+    loops: list[_StackLoop] = []
+    _layer_loops(function.body, [], self_name, loops)
+    return loops
+
+
+def _layout(loops: list[_StackLoop]) -> tuple[str, str | None] | None:
+    """``stack_layout`` of a forward's loops over its layers."""
+    if not loops or len({loop.layers for loop in loops}) != 1 or any(loop.final is False for loop in loops):
         return None
     # A loop whose output never reaches a norm (True) leaves the choice to the others; one that reaches another
     # module first (None), or two different norms, rule the final norm out.
-    finals = {final for _, final in layouts if final is not True}
+    finals = {loop.final for loop in loops if loop.final is not True}
     final = finals.pop() if len(finals) == 1 else None
-    return layouts[0][0], final if isinstance(final, str) else None
+    return loops[0].layers, final if isinstance(final, str) else None
 
 
 def _layer_loops(
-    statements: list[ast.stmt], continuation: list[ast.stmt], self_name: str,
-    layouts: list[tuple[str, str | bool | None]],
+    statements: list[ast.stmt], continuation: list[ast.stmt], self_name: str, loops: list[_StackLoop],
 ) -> None:
-    """Appends ``(layers, _loop_final_norm)`` for each loop over ``self.<layers>`` in ``statements``, given the
-    statements that run after them (``continuation``): what follows an ``if``, a ``with`` or a ``try``, and, in a
-    loop's body, the rest of the body, the body again (the next iteration) and what follows the loop."""
+    """Appends a ``_StackLoop`` for each loop over ``self.<layers>`` in ``statements``, given the statements that
+    run after them (``continuation``): what follows an ``if``, a ``with`` or a ``try``, and, in a loop's body, the
+    rest of the body, the body again (the next iteration) and what follows the loop."""
     for i, statement in enumerate(statements):
         after = statements[i + 1:] + continuation
         if isinstance(statement, ast.For) and (layers := _iterated_layers(statement, self_name)):
-            layouts.append((layers, _loop_final_norm(statement, after, self_name)))
+            loops.append(_StackLoop(statement, statements, layers, *_loop_final_norm(statement, after, self_name)))
         if isinstance(statement, (ast.For, ast.AsyncFor, ast.While)):
             again = ([ast.Expr(statement.test)] if isinstance(statement, ast.While) else []) + statement.body
-            _layer_loops(statement.body, again + after, self_name, layouts)
-            _layer_loops(statement.orelse, after, self_name, layouts)
+            _layer_loops(statement.body, again + after, self_name, loops)
+            _layer_loops(statement.orelse, after, self_name, loops)
         elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         else:
             for name in ("body", "orelse", "finalbody"):
                 nested = getattr(statement, name, None)
                 if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
-                    _layer_loops(nested, after, self_name, layouts)
+                    _layer_loops(nested, after, self_name, loops)
             for handler in getattr(statement, "handlers", ()):
-                _layer_loops(handler.body, after, self_name, layouts)
+                _layer_loops(handler.body, after, self_name, loops)
 
 
 def _iterated_layers(loop: ast.For, self_name: str) -> str | None:
@@ -176,46 +210,55 @@ def _iterated_layers(loop: ast.For, self_name: str) -> str | None:
     return layers[0] if layers is not None and len(layers) == 1 else None
 
 
-def _loop_final_norm(loop: ast.For, rest: list[ast.stmt], self_name: str) -> str | None | bool:
+def _loop_final_norm(
+    loop: ast.For, rest: list[ast.stmt], self_name: str
+) -> tuple[str | None | bool, ast.Assign | None, tuple[ast.Call, ...]]:
     """For a loop over the layers, followed by the statements ``rest`` (to the end of the forward): the final norm
     the first statement naming its output applies to it; True when nothing names it again (it is copied out or
-    rebound first); None when something else does; False when the loop is not of ``stack_layout``'s form."""
+    rebound first); None when something else does; False when the loop is not of ``stack_layout``'s form. Then,
+    unless False, the layer call statement, and the calls of that final norm."""
     target = loop.target
     if isinstance(loop.iter, ast.Call):  # enumerate: (i, layer)
         if not (isinstance(target, ast.Tuple) and len(target.elts) == 2):
-            return False
+            return False, None, ()
         target = target.elts[1]
     if not isinstance(target, ast.Name) or loop.orelse:
-        return False
+        return False, None, ()
     calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
              and isinstance(s.value.func, ast.Name) and s.value.func.id == target.id]
     if len(calls) != 1:
-        return False
+        return False, None, ()
     call = calls[0].value
     hidden = _layer_output_name(calls[0], loop.body)
-    argument = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "hidden_states"), None)
+    # Positionally, as the layer's first argument: a gradient checkpoint's inputs are the positional ones.
+    argument = call.args[0] if call.args else None
     if not (isinstance(argument, ast.Name) and argument.id == hidden):
-        return False
+        return False, None, ()
     if len(_named(loop.body, hidden)) != 2:  # the call's argument and the target it is assigned to
-        return False
+        return False, None, ()
     final = _first_norm(rest, {hidden}, self_name, None)
     if final is True:
-        return True
-    return final if isinstance(final, str) and "." not in final else None
+        return True, calls[0], ()
+    if isinstance(final, tuple) and "." not in final[0]:
+        return final[0], calls[0], final[1]
+    return None, calls[0], ()
 
 
 def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     """The name the hidden states get from the layer call ``call``: ``h = layer(...)``, ``h, *other = layer(...)``,
-    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else)."""
+    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else but as ``out[k]``, its other items)."""
     target = call.targets[0]
     if isinstance(target, ast.Tuple):
         return target.elts[0].id if target.elts and isinstance(target.elts[0], ast.Name) else None
     if not isinstance(target, ast.Name):
         return None
+    items = {id(n.value): n.slice.value for n in ast.walk(ast.Module(body=body, type_ignores=[]))
+             if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and type(n.slice.value) is int}
     picks = [s for s in body if _assigned_name(s) and isinstance(s.value, ast.Subscript)
              and isinstance(s.value.value, ast.Name) and s.value.value.id == target.id
-             and isinstance(s.value.slice, ast.Constant) and s.value.slice.value == 0]
-    if len(picks) == 1 and len(_named(body, target.id)) == 2:  # its assignment and the pick
+             and items.get(id(s.value.value)) == 0]
+    reads = [n for n in _named(body, target.id) if n is not target]
+    if len(picks) == 1 and all(n is picks[0].value.value or items.get(id(n), 0) > 0 for n in reads):
         return _assigned_name(picks[0])
     return target.id
 
@@ -267,12 +310,15 @@ def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     return residual + norm(x)
 
 
-def stream_sum(layer: nn.Module, a: Tensor, b: Tensor) -> Tensor:
-    """``a + b``, the layer's output: computed by the next norm's kernel when the stack links them
+def stream_sum(call: handoff.LayerCall | None, a: Tensor, b: Tensor) -> Tensor:
+    """``a + b``, the layer's output: computed by the next norm's kernel when the derived loop asked for it
     (``handoff.py``)."""
-    if isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape:
-        return handoff.add_residual(layer, b, a)
-    return a + b
+    return handoff.add_residual(call, b, a)
+
+
+# The derived forwards call these too, as ``_hf_rmsnorm_derived.<name>`` (``handoff.py`` says what they do).
+input_norm, final_norm = handoff.input_norm, handoff.final_norm
+call_layer, layers_with_next = handoff.call_layer, handoff.layers_with_next
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -299,23 +345,121 @@ def layer_code(forward: object, norms: frozenset[tuple[str, ...]]) -> LayerCode 
         return parsed
     function, _ = parsed
     sites = _Sites(function, norms, selected=None)
-    return LayerCode(tuple(sites.applied), _input_norm(function, norms))
+    input_norm = _input_norm(function, norms)
+    return LayerCode(tuple(sites.applied), None if input_norm is None else input_norm[0])
 
 
 def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
-    """``base.forward`` with ``kind.sites`` rewritten (module docstring), decorated as the original is.
+    """``base.forward`` with ``kind.sites`` rewritten and its input norm reading what a previous layer hands on
+    (module docstring), taking the ``handoff.LayerCall`` as the keyword ``handoff.CALL_PARAM``; decorated as the
+    original is.
 
     Raises:
-        ValueError: the source cannot be derived from, or a site of ``kind`` is not in it (any more).
+        ValueError: the source cannot be derived from, or a site or the input norm of ``kind`` is not in it (any
+            more).
     """
-    parsed = _parsed(base.forward)
-    if isinstance(parsed, str):
-        raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {parsed}")
-    function, original = parsed
+    function, original = _parsed_or_raise(base)
     norms = frozenset(site.norm for site in kind.sites if site.norm)
+    if kind.input_norm is not None:
+        norms |= {tuple(kind.input_norm.split("."))}
     missing = set(kind.sites) - set(_Sites(function, norms, selected=frozenset(kind.sites)).applied)
     if missing:
         raise ValueError(f"{base.__qualname__}.forward has no {', '.join(s.label for s in missing)}")
+    if kind.input_norm is not None:
+        found = _input_norm(function, norms)
+        if found is None or found[0] != kind.input_norm:
+            raise ValueError(f"{base.__qualname__}.forward no longer applies {kind.input_norm} to its input first")
+        for call in found[1]:
+            _replace(function, call, _handed_norm_call("input_norm", handoff.CALL_PARAM, call))
+    function.args.kwonlyargs.append(ast.arg(handoff.CALL_PARAM))
+    function.args.kw_defaults.append(ast.Constant(None))
+    return _compiled(function, original, base)
+
+
+def fused_stack_forward(base: type, layers: str, final_norm: str | None) -> Callable[..., object]:
+    """``base.forward`` (a forward of ``stack_layout``'s form running ``self.<layers>`` then ``self.<final_norm>``)
+    with each loop over the layers calling ``handoff.call_layer`` and the final norm reading what the last layer
+    hands on (``handoff.py``); decorated as the original is::
+
+        for layer in self.layers[...]:
+            h = layer(h, ...)
+        h = self.norm(h)
+
+    becomes::
+
+        _hf_rmsnorm_handed = None
+        for layer, _hf_rmsnorm_next_<line> in _hf_rmsnorm_derived.layers_with_next(self.layers[...]):
+            h, _hf_rmsnorm_handed = _hf_rmsnorm_derived.call_layer(
+                self, layer, _hf_rmsnorm_next_<line>, True, _hf_rmsnorm_handed, h, ...)
+        h = _hf_rmsnorm_derived.final_norm(_hf_rmsnorm_handed, self.norm, h, h)
+
+    (``True``: the loop's output goes to the final norm; a loop whose output is copied out says False, so its last
+    layer hands nothing on). What is handed on is reset before every loop and read only by the module it was made
+    for.
+
+    Raises:
+        ValueError: the source cannot be derived from, or its loops are not of that form (any more).
+    """
+    function, original = _parsed_or_raise(base)
+    self_name = _self_name(function)
+    loops = _stack_loops(function, self_name)
+    if _layout(loops) != (layers, final_norm):
+        raise ValueError(f"{base.__qualname__}.forward does not run self.{layers} then "
+                         f"{'no final norm' if final_norm is None else f'self.{final_norm}'} as read when patching")
+    final_calls: dict[int, ast.Call] = {}
+    for loop in loops:
+        feeds_final_norm = final_norm is not None and loop.final == final_norm
+        _rewrite_loop(loop, self_name, feeds_final_norm)
+        if feeds_final_norm:
+            final_calls.update((id(call), call) for call in loop.final_calls)
+    for call in final_calls.values():
+        _replace(function, call, _handed_norm_call("final_norm", _HANDED, call))
+    has_docstring = isinstance(function.body[0], ast.Expr) and isinstance(function.body[0].value, ast.Constant)
+    function.body.insert(int(has_docstring), _handed_reset())
+    return _compiled(function, original, base)
+
+
+def _rewrite_loop(loop: _StackLoop, self_name: str, feeds_final_norm: bool) -> None:
+    """``fused_stack_forward``'s rewrite of one loop: iterated with the next layer, its layer called through
+    ``call_layer``, what is handed on reset before it."""
+    following = f"_hf_rmsnorm_next_{loop.loop.lineno}"
+    statement = loop.loop
+    if isinstance(statement.iter, ast.Call):  # enumerate(self.<layers>[...]): (i, layer)
+        statement.iter.args[0] = _helper_call("layers_with_next", statement.iter.args[0])
+        statement.target.elts[1] = ast.Tuple([statement.target.elts[1], ast.Name(following, ast.Store())], ast.Store())
+    else:
+        statement.iter = _helper_call("layers_with_next", statement.iter)
+        statement.target = ast.Tuple([statement.target, ast.Name(following, ast.Store())], ast.Store())
+    call = loop.call.value
+    loop.call.value = _helper_call(
+        "call_layer", ast.Name(self_name, ast.Load()), call.func, ast.Name(following, ast.Load()),
+        ast.Constant(feeds_final_norm), ast.Name(_HANDED, ast.Load()), *call.args)
+    loop.call.value.keywords = call.keywords
+    loop.call.targets = [ast.Tuple([loop.call.targets[0], ast.Name(_HANDED, ast.Store())], ast.Store())]
+    loop.block.insert(next(i for i, s in enumerate(loop.block) if s is statement), _handed_reset())
+
+
+def _handed_reset() -> ast.Assign:
+    return ast.Assign([ast.Name(_HANDED, ast.Store())], ast.Constant(None))
+
+
+def _handed_norm_call(helper: str, handed: str, call: ast.Call) -> ast.Call:
+    """``_hf_rmsnorm_derived.<helper>(<handed>, self.<norm>, x, x)`` for the norm call ``self.<norm>(x)`` (or
+    ``self.<norm>(x.to(...))``, then its second argument is that)."""
+    read = _read_name(call.args[0])
+    return _helper_call(helper, ast.Name(handed, ast.Load()), call.func, call.args[0], ast.Name(read.id, ast.Load()))
+
+
+def _parsed_or_raise(base: type) -> tuple[ast.FunctionDef, object]:
+    parsed = _parsed(base.forward)
+    if isinstance(parsed, str):
+        raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {parsed}")
+    return parsed
+
+
+def _compiled(function: ast.FunctionDef, original, base: type) -> Callable[..., object]:
+    """The rewritten ``function`` (``base``'s, ``original`` undecorated) compiled (``_factory_code``) and
+    decorated as the original's definition is."""
     decorators, function.decorator_list = function.decorator_list, []
     namespace: dict[str, object] = {}
     exec(_factory_code(function, original), original.__globals__, namespace)  # the imports are never run
@@ -544,9 +688,9 @@ class _Sites:
         path = _module_call(node, self.self_name)
         return path if path in self.norms else None
 
-    def _record(self, position: str, norm: tuple[str, ...], line: int) -> bool:
+    def _record(self, position: str, norm: tuple[str, ...], line: int, in_tuple: bool = False) -> bool:
         """Whether the site is to be rewritten (the caller then does); if so it counts as applied."""
-        site = AddSite(position, norm, line)
+        site = AddSite(position, norm, line, in_tuple)
         if self.selected is not None and site not in self.selected:
             return False
         self.applied.append(site)
@@ -642,25 +786,26 @@ class _Sites:
     def _output(self, statements: list[ast.stmt], i: int, following: ast.stmt | None) -> int:
         statement = statements[i]
         if (returned := _returned_sum(statement)) is not None:
-            add = returned[1]
-        elif (found := _sum(statement)) is not None and _returns(following, found[0]):
+            add, in_tuple = returned[1], False
+        elif (found := _sum(statement)) is not None and (in_tuple := _returns(following, found[0])) is not None:
             add = found[1]
         else:
             return 0
-        if not self._record("output", (), add.lineno):
+        if not self._record("output", (), add.lineno, in_tuple):
             return 0
-        statement.value = _helper_call("stream_sum", ast.Name(self.self_name, ast.Load()), add.left, add.right)
+        statement.value = _helper_call("stream_sum", ast.Name(handoff.CALL_PARAM, ast.Load()), add.left, add.right)
         return 1
 
 
-def _returns(statement: ast.stmt | None, name: str) -> bool:
-    """Whether ``statement`` is ``return name`` or ``return name, ...`` (the stack takes the first item)."""
+def _returns(statement: ast.stmt | None, name: str) -> bool | None:
+    """Whether ``statement`` is ``return name, ...`` (True: the stack takes the first item), ``return name``
+    (False), or neither (None)."""
     if not isinstance(statement, ast.Return):
-        return False
-    value = statement.value
-    if isinstance(value, ast.Tuple) and value.elts:
+        return None
+    value, in_tuple = statement.value, isinstance(statement.value, ast.Tuple)
+    if in_tuple and value.elts:
         value = value.elts[0]
-    return isinstance(value, ast.Name) and value.id == name
+    return in_tuple if isinstance(value, ast.Name) and value.id == name else None
 
 
 def _replace(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
@@ -674,37 +819,46 @@ def _replace(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
                         value[k] = new
 
 
-def _input_norm(function: ast.FunctionDef, norms: frozenset[tuple[str, ...]]) -> str | None:
-    """The attribute of the norm the forward applies to its first argument before anything could touch it, or
-    None (``_first_norm``)."""
+def _input_norm(
+    function: ast.FunctionDef, norms: frozenset[tuple[str, ...]]
+) -> tuple[str, tuple[ast.Call, ...]] | None:
+    """The attribute of the norm the forward applies to its first argument before anything could touch it, and
+    its calls, or None (``_first_norm``)."""
     found = _first_norm(function.body, {function.args.args[1].arg}, _self_name(function), norms)
-    return found if isinstance(found, str) else None
+    return found if isinstance(found, tuple) else None
 
 
 def _reads_as_is(argument: ast.expr, name: ast.Name) -> bool:
-    """Whether ``argument`` is ``name`` or ``name.to(...)``: the very tensor when the conversion has nothing to do
-    (a handed-over norm is taken only for the identical tensor, ``handoff.take``)."""
+    """Whether ``argument`` is ``name`` or ``name.to(...)``: the same values when the conversion changes neither
+    dtype nor device (``handoff.input_norm`` checks that before it returns a handed-on norm of ``name``)."""
+    return _read_name(argument) is name
+
+
+def _read_name(argument: ast.expr) -> ast.expr:
+    """``x`` for ``x`` or ``x.to(...)``."""
     if isinstance(argument, ast.Call) and isinstance(argument.func, ast.Attribute) and argument.func.attr == "to":
-        argument = argument.func.value
-    return argument is name
+        return argument.func.value
+    return argument
 
 
 def _first_norm(
     statements: list[ast.stmt], names: set[str], self_name: str, norms: frozenset[tuple[str, ...]] | None
-) -> str | bool:
-    """Follows ``names`` (the input and its aliases ``r = x``) through ``statements``: the norm's dotted path when
-    the first statement naming them reads them once, as the argument of ``self.<norm>(x)`` or ``self.<norm>(x.to(...))``
-    (any module call when ``norms`` is None), anywhere in that statement: nothing evaluated before it can reach the
-    input; or, for an ``if`` that does not read them in its test, when both branches begin so with the same norm.
-    False when something else names them first; True when nothing does, or a statement rebinds the one name without
-    reading it (its value can no longer reach anything). A statement that only copies them into a slice of another
-    tensor (``out[...] = x``) does not count: it cannot change them."""
+) -> tuple[str, tuple[ast.Call, ...]] | bool:
+    """Follows ``names`` (the input and its aliases ``r = x``) through ``statements``: the norm's dotted path, and
+    its calls, when the first statement naming them reads them once, as the argument of ``self.<norm>(x)`` or
+    ``self.<norm>(x.to(...))`` (any module call when ``norms`` is None), anywhere in that statement: nothing evaluated
+    before it can reach the input; or, for an ``if`` that does not read them in its test, when both branches begin
+    so with the same norm. False when something else names them first; True when nothing does, or a statement
+    rebinds the one name without reading it (its value can no longer reach anything). A statement that only copies
+    them into a slice of another tensor (``out[...] = x``) does not count: it cannot change them."""
     for statement in statements:
         if isinstance(statement, ast.If) and not _loads(statement.test, names):
-            branches = {_first_norm(b, set(names), self_name, norms) for b in (statement.body, statement.orelse)}
-            if branches == {True}:
+            branches = [_first_norm(b, set(names), self_name, norms) for b in (statement.body, statement.orelse)]
+            if all(branch is True for branch in branches):
                 continue
-            return branches.pop() if len(branches) == 1 else False
+            if all(isinstance(branch, tuple) for branch in branches) and branches[0][0] == branches[1][0]:
+                return branches[0][0], branches[0][1] + branches[1][1]
+            return False
         named = [n for name in names for n in _named([statement], name)]
         if not named or _copies_out(statement, names):
             continue
@@ -718,7 +872,7 @@ def _first_norm(
             return False
         calls = [node for node in ast.walk(statement) if _module_call(node, self_name) is not None
                  and (norms is None or _module_call(node, self_name) in norms) and _reads_as_is(node.args[0], uses[0])]
-        return ".".join(_module_call(calls[0], self_name)) if calls else False
+        return (".".join(_module_call(calls[0], self_name)), (calls[0],)) if calls else False
     return True
 
 

@@ -139,6 +139,11 @@ class LayerKind:
         return self.shape.hands_off_last_add
 
     @property
+    def returns_tuple(self) -> bool:
+        """Whether the layer returns a tuple, its hidden states first (the shapes' bodies return a tensor)."""
+        return False
+
+    @property
     def handoff_label(self) -> str:
         """What the report calls the add that goes into the next norm's kernel."""
         return self.shape.handoff_label

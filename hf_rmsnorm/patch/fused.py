@@ -1,5 +1,6 @@
 """The fused behaviour of patched modules: norms that take a residual, decoder layers that run the fused body of
-their shape (``shapes.py``), and stacks that let their layers hand the next norm over (``handoff.py``).
+their shape (``shapes.py``) or the forward derived from their code (``derived.py``), and stacks whose derived
+forward lets each layer hand the next norm's output on (``handoff.py``).
 
 A patched module keeps its object, parameters and attribute paths; only its class changes, to a subclass of
 the original made here (cached, same ``__name__``, ``__qualname__`` and ``__module__``) whose ``forward`` calls
@@ -24,8 +25,6 @@ from .derived import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
 
 _FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind], type] = {}
-# Instance attribute of a patched stack: layer -> handoff.NextNorm.
-LINKS_ATTR = "_hf_rmsnorm_links"
 
 
 def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind) -> type:
@@ -47,18 +46,24 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
                 _hf_rmsnorm_norm=bound_norm(kind.mode),  # its mode's calls, their launches bound once
             )
         elif isinstance(kind, StackKind):
-            # The forward checked when patching: a stack whose class forward is replaced later runs it unfused.
+            # The forward derived when patching, from the forward then checked: a stack whose class forward is
+            # replaced later runs the replacement, unfused.
             namespace.update(
                 forward=_forward_like(_stack_forward, base.forward),
                 _hf_rmsnorm_checked_forward=staticmethod(base.forward),
+                _hf_rmsnorm_derived_forward=staticmethod(
+                    derived.fused_stack_forward(base, kind.layers, kind.final_norm)),
             )
-        elif isinstance(kind, DerivedLayerKind):
-            namespace["forward"] = derived.fused_forward(base, kind)
         else:
-            namespace["forward"] = _forward_like(kind.shape.body, base.forward)
-            # The original's own argument names (the cache one changed across transformers releases): positional
-            # arguments go on to the attention under these, as the original passes them.
-            namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
+            # GradientCheckpointingLayer wraps this forward, so what it passes the body is a checkpoint's input.
+            namespace["forward"] = _forward_like(_layer_forward, base.forward)
+            if isinstance(kind, DerivedLayerKind):
+                namespace["_hf_rmsnorm_body"] = staticmethod(derived.fused_forward(base, kind))
+            else:
+                namespace["_hf_rmsnorm_body"] = staticmethod(kind.shape.body)
+                # The original's own argument names (the cache one changed across transformers releases):
+                # positional arguments go on to the attention under these, as the original passes them.
+                namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
     return cls
 
@@ -154,20 +159,20 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
         return bound.norm_add(hidden_states, add_to, weight, eps, bias)
     if residual is not None:
         return bound.fused_add_norm(hidden_states, residual, weight, eps, bias)
-    normed = handoff.take(self, hidden_states)
-    if normed is not None:
-        return normed
     return bound.norm(hidden_states, weight, eps, bias)
 
 
+def _layer_forward(self, *args, **kwargs):
+    """The layer's fused body (its shape's, or the forward derived from its code), given what the derived stack
+    loop hands it and asks of it (``handoff.run_layer``)."""
+    return handoff.run_layer(type(self)._hf_rmsnorm_body, self, args, kwargs)
+
+
 def _stack_forward(self, *args, **kwargs):
-    """The stack's own forward, inside a handoff scope when its layers may hand off (``handoff.py``)."""
+    """The stack's forward derived from its own (``derived.fused_stack_forward``), whose loop hands each layer's
+    normed output on; the stack class's forward itself, unfused, if it was replaced since patching."""
     cls = type(self)
     forward = cls._hf_rmsnorm_base.forward
-    if forward is not cls._hf_rmsnorm_checked_forward or not handoff.handoff_possible():
+    if forward is not cls._hf_rmsnorm_checked_forward:
         return forward(self, *args, **kwargs)
-    token = handoff.enter(self.__dict__[LINKS_ATTR])
-    try:
-        return forward(self, *args, **kwargs)
-    finally:
-        handoff.leave(token)
+    return cls._hf_rmsnorm_derived_forward(self, *args, **kwargs)

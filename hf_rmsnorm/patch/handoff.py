@@ -1,50 +1,74 @@
-"""Cross-layer fusion: layer ``i``'s MLP residual add computed together with the next norm.
+"""Cross-layer fusion as data flow: layer ``i``'s last residual add computed by the next norm's kernel, whose
+normed output reaches that norm's reader as an argument.
 
-Layer ``i`` of a stack calls the next norm module (layer ``i + 1``'s input norm, or the final norm) on its MLP
-output and residual: one kernel writes the sum and the normed sum. The layer returns the true sum, so everything
-downstream (hooks, ``output_hidden_states``) sees the unpatched hidden state, and it hands the normed tensor to
-the next norm, which returns it when it is called with that very sum.
+The stack's forward is derived from its own code (``derived.fused_stack_forward``): its loop over the layers
+calls ``call_layer`` for each layer, with the layer the loop calls next. Where the stack links the layer to the
+next norm (``NextNorm``: layer ``i + 1``'s input norm, or the final norm after the last layer) and nothing else
+watches them (``foreign_code``), the layer is called with a private keyword, ``KWARG = (next norm, receives)``:
 
-A handed-off value must never be stale, so the handoff lives only inside one call of the stack's own forward
-(a ``HandoffScope``, entered by the fused stack class, per thread and per task through a context variable), and
-only when nothing but that forward can run between the two modules:
+* asked to hand on, its last residual add runs as ``next_norm(branch, residual=residual)``, one kernel writing the
+  sum and the normed sum; the layer returns its usual output with the normed sum appended
+  (``(sum, normed)``, or ``(*outputs, normed)`` for a layer returning a tuple), and the loop passes the usual
+  output on as the original loop does;
+* receiving, the normed sum is the layer's last positional argument, and the layer's input norm returns it
+  instead of normalising the same sum again. After the loop the final norm's call does the same with the last
+  layer's.
 
-* the stack's forward is the one transformers defines (checked when patching and on every call), whose loop
-  passes each layer's output straight to the next layer and the last one to the final norm;
-* no hook that could see or change the hidden state in between (``_foreign_code_between``), and no accelerate
-  hook, which moves or offloads weights;
-* not under ``torch.compile`` (the scope is Python state);
-* where autograd records, no saved-tensor hooks (non-reentrant activation checkpointing and activation offloading
-  install them): a checkpointed layer is recomputed in the backward outside any scope, so a handoff in its first
-  run would make it save other tensors than its recomputation does. Reentrant checkpointing runs the first pass
-  under ``no_grad``; an entry is taken only in the grad mode it was made in, so a value computed without a graph
-  never reaches a layer that records one.
+The fused layer's class forward (``fused.py``) takes the keyword and the argument off before its body runs, and
+passes the body one ``LayerCall``: what it received and, once its last add ran, the normed sum to return. Nothing
+else carries a value from one call to another: what a layer computes depends on its arguments alone.
 
-In training the handed-off norm's output is an output of the fused kernel's autograd node, so its gradient, and
-the norm weight's, flow through that node's backward (the sum's gradient is its other input).
+Why this computes the unpatched function, and its gradients, exactly:
 
-A custom layer loop, a stack whose forward another library replaced, a hook editing the hidden state in place
-(under ``torch.inference_mode`` tensors have no version counter to reveal it): none of them runs inside a scope
-or passes the checks, so the add stays a separate op and the output is exact. Within a scope, an entry is still
-returned only for the identical tensor, unmodified (its version counter, where it has one, unchanged). Entries
-die with the scope: nothing is left for a later call.
+* The sum is the add the layer's code does, computed by the kernel that also normalises it; the kernel's norm is
+  the next norm's own forward (same module, same casting order), applied to that very sum. The loop passes the
+  sum on as the layer's output, so ``output_hidden_states`` and the hooks that may watch (transformers' output
+  recorders, which record ``output[0]`` of a tuple, the first item kept at its place) see the unpatched hidden
+  states. A normed sum is taken only by the module it was made for (the loop checks the consumer's identity) and
+  only from the same sum's dtype, device and shape (a ``.to(...)`` the code applies first changes none of its
+  values then).
+* Whatever else could see or change the hidden state between the two modules makes the loop call both plainly
+  (``foreign_code``): a forward hook, pre-hook or backward hook (module or global) on the layer, the next layer or
+  the norm, other than transformers' read-only output recorders and the conversion's own centring pre-hook on a
+  layer that only hands on; accelerate's hooks (they move and offload weights); a layer whose class or forward
+  was changed after patching; a norm replaced in its parent after patching (PEFT's ``modules_to_save``), or whose
+  weight is on another device than the hidden states. A custom loop, or a stack forward replaced after patching,
+  never calls ``call_layer``: every layer called directly runs its adds unfused, exactly as before patching.
+* The normed sum is an output of the fused kernel's autograd node and an input of the next layer, so the
+  gradient reaching it and the sum's reach that node's backward together, as in eager fusion (whose gradients
+  the tests hold bitwise equal to the unfused adds').
+* Activation checkpointing (transformers' ``GradientCheckpointingLayer`` wraps the class forward:
+  ``checkpoint(partial(forward, layer, **kwargs), *args)``): the normed sum travels as a positional argument,
+  so it is one of the checkpoint's inputs. Reentrant checkpointing detaches its inputs and returns their gradients
+  from the recomputation, the normed sum's included; its outputs are the layer's, the normed sum included, so its
+  gradient comes back through the checkpoint into the kernel's node. Non-reentrant checkpointing recomputes the
+  layer with the same arguments, and since every decision inside the layer is made from its arguments, the
+  recomputation saves the same tensors as the first run.
+* ``torch.compile`` traces all of it as Python: a tuple, module identities, hook dictionaries; no state outside
+  the call (a compiled model, a compiled layer, an unrolled loop alike).
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+# The private keyword the derived loop calls a fused layer with: ``(next norm or None, receives)``.
+KWARG = "_hf_rmsnorm_handoff"
+# The keyword-only parameter a fused layer's body takes its ``LayerCall`` by (the shapes' bodies spell it out).
+CALL_PARAM = "_hf_rmsnorm_call"
+# Instance attribute of a patched stack: layer -> NextNorm.
+LINKS_ATTR = "_hf_rmsnorm_links"
+
 
 @dataclass
 class NextNorm:
-    """Where layer ``i``'s MLP residual sum goes: ``norm`` is the first module to read it, and ``consumer``
+    """Where layer ``i``'s last residual sum goes: ``norm`` is the first module to read it, and ``consumer``
     (the next layer, or the final norm itself) is the module the stack calls with it. The consumer reaches the
     norm as ``parent.<attribute>`` (the next layer's input norm, or the stack's final norm): a wrapper put there
-    after patching (PEFT's ``modules_to_save``) calls another module, so the handoff checks it is still ``norm``."""
+    after patching (PEFT's ``modules_to_save``) calls another module, so the loop checks it is still ``norm``."""
 
     consumer: nn.Module
     norm: nn.Module
@@ -52,103 +76,147 @@ class NextNorm:
     attribute: str
 
 
-class HandoffScope:
-    """The handoffs of one call of a stack's forward: ``links`` maps each layer to its ``NextNorm`` (set on the
-    stack when patching), ``entries`` maps a norm to ``(sum, its version, grad mode, normed sum)``."""
+class LayerCall:
+    """What one call of a fused layer's body gets from the loop: ``normed_input``, the normed sum its input norm
+    returns (None: it normalises its input itself); ``next_norm``, the norm its last add goes into (None: a plain
+    add); ``normed_output``, set by that add to the normed sum it hands on."""
 
-    __slots__ = ("links", "entries")
+    __slots__ = ("normed_input", "next_norm", "normed_output")
 
-    def __init__(self, links: dict[nn.Module, NextNorm]) -> None:
-        self.links = links
-        self.entries: dict[nn.Module, tuple[Tensor, int | None, bool, Tensor]] = {}
-
-
-_SCOPE: ContextVar[HandoffScope | None] = ContextVar("hf_rmsnorm_handoff_scope", default=None)
-
-
-def enter(links: dict[nn.Module, NextNorm]):
-    """Opens a scope for one call of a stack's forward; returns the token for ``leave``."""
-    return _SCOPE.set(HandoffScope(links))
+    def __init__(self, normed_input: Tensor | None, next_norm: nn.Module | None) -> None:
+        self.normed_input = normed_input
+        self.next_norm = next_norm
+        self.normed_output: Tensor | None = None
 
 
-def leave(token) -> None:
-    _SCOPE.reset(token)
+def run_layer(body, layer: nn.Module, args: tuple, kwargs: dict):
+    """``body(layer, *args, **kwargs)`` for a fused layer's forward: with ``KWARG`` in ``kwargs`` (the derived
+    loop's call), the normed input taken off the positional arguments and the normed output appended to the
+    result (module docstring); without it, the plain call."""
+    request = kwargs.pop(KWARG, None)
+    if request is None:
+        return body(layer, *args, **kwargs)
+    next_norm, receives = request
+    call = LayerCall(args[-1] if receives else None, next_norm)
+    output = body(layer, *(args[:-1] if receives else args), **{CALL_PARAM: call}, **kwargs)
+    if next_norm is None:
+        return output
+    if type(layer)._hf_rmsnorm_kind.returns_tuple:
+        return (*output, call.normed_output)
+    return output, call.normed_output
 
 
-def handoff_possible() -> bool:
-    """Whether a handoff may happen at all now: outside ``torch.compile``, and, where autograd records, with no
-    saved-tensor hooks installed (module docstring)."""
-    if torch.compiler.is_compiling():
-        return False
-    # No public API says whether saved-tensor hooks are on; this is what torch.autograd.graph's own hooks read.
-    return not torch.is_grad_enabled() or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+def input_norm(call: LayerCall | None, norm: nn.Module, argument: Tensor, hidden_states: Tensor) -> Tensor:
+    """``norm(argument)``, the layer's input norm of its input ``hidden_states`` (``argument`` is it, or its
+    ``.to(...)``): the normed sum the previous layer handed on, when it did."""
+    return _handed_or_norm(None if call is None else call.normed_input, norm, argument, hidden_states)
 
 
-def target_of(layer: nn.Module, hidden_states: Tensor) -> NextNorm | None:
-    """The norm layer ``layer`` may compute ahead of time for ``hidden_states``, or None (module docstring)."""
-    scope = _SCOPE.get() if handoff_possible() else None
-    if scope is None:
-        return None
-    target = scope.links.get(layer)
-    if target is None or target.parent._modules.get(target.attribute) is not target.norm:
-        return None
-    weight = getattr(target.norm, "weight", None)
-    if isinstance(weight, Tensor) and weight.device != hidden_states.device:
-        return None
-    return None if _foreign_code_between(layer, target) else target
+def final_norm(handed: tuple[nn.Module, Tensor] | None, norm: nn.Module, argument: Tensor,
+               hidden_states: Tensor) -> Tensor:
+    """``norm(argument)`` after the loop: the normed sum the last layer handed to ``norm``, when it did."""
+    return _handed_or_norm(handed[1] if handed is not None and handed[0] is norm else None, norm, argument,
+                           hidden_states)
 
 
-def add_residual(layer: nn.Module, branch: Tensor, residual: Tensor) -> Tensor:
-    """``residual + branch``, ``layer``'s output; inside a scope, when allowed, from the next norm's kernel, which
-    also computes that norm of it and hands it over (module docstring)."""
-    target = target_of(layer, branch)
-    if target is None:
+def _handed_or_norm(normed: Tensor | None, norm: nn.Module, argument: Tensor, hidden_states: Tensor) -> Tensor:
+    # `argument` is `hidden_states` or a `.to(...)` of it: the same values where dtype, device and shape are.
+    if normed is not None and isinstance(argument, Tensor) and (argument is hidden_states or (
+        argument.dtype == hidden_states.dtype and argument.device == hidden_states.device
+        and argument.shape == hidden_states.shape
+    )):
+        return normed
+    return norm(argument)
+
+
+def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Tensor:
+    """``residual + branch``, the layer's output: from the next norm's kernel when the loop asked for it and the
+    kernel computes that add (two tensors of one shape and class, no broadcast); the normed sum goes into
+    ``call.normed_output``."""
+    norm = None if call is None else call.next_norm
+    if norm is None or not (
+        isinstance(branch, Tensor) and isinstance(residual, Tensor) and type(branch) is type(residual)
+        and branch.shape == residual.shape
+    ):
         return residual + branch
-    normed, hidden_states = target.norm(branch, residual=residual)
-    put(target.norm, hidden_states, normed)
-    return hidden_states
+    normed, total = norm(branch, residual=residual)
+    call.normed_output = normed
+    return total
+
+
+def layers_with_next(layers) -> list[tuple[nn.Module, nn.Module | None]]:
+    """Each layer the loop iterates with the one it iterates next (None after the last)."""
+    items = list(layers)
+    return list(zip(items, items[1:] + [None]))
+
+
+def call_layer(stack: nn.Module, layer: nn.Module, next_layer: nn.Module | None, feeds_final_norm: bool,
+               handed: tuple[nn.Module, Tensor] | None, *args, **kwargs):
+    """``layer(*args, **kwargs)`` as one iteration of ``stack``'s loop, and what it hands on: ``(output,
+    (consumer, normed sum) or None)``. ``handed`` is what the previous iteration handed on; ``next_layer`` the
+    layer the loop calls next, None after the last, whose output goes to the final norm when
+    ``feeds_final_norm`` (module docstring)."""
+    receives = handed is not None and handed[0] is layer and bool(args)
+    link = getattr(stack, LINKS_ATTR, {}).get(layer)
+    consumer = next_layer if next_layer is not None else (link.norm if link is not None and feeds_final_norm else None)
+    if link is None or link.consumer is not consumer or not args or foreign_code(layer, link, args[0]):
+        link = None
+    if link is None and not receives:
+        return layer(*args, **kwargs), None
+    if receives:
+        args = (*args, handed[1])
+    output = layer(*args, **{KWARG: (None if link is None else link.norm, receives)}, **kwargs)
+    if link is None:
+        return output, None
+    *output, normed = output
+    output = tuple(output) if type(layer)._hf_rmsnorm_kind.returns_tuple else output[0]
+    return output, None if normed is None else (link.consumer, normed)
+
+
+def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> bool:
+    """Whether anything but the two modules' own code could see or change what passes between ``layer`` and
+    ``link``'s norm, or would see the private arguments (module docstring): then the loop makes the plain calls.
+    Issue 29 generalises this guard; it is the one place it lives."""
+    norm, consumer = link.norm, link.consumer
+    if link.parent._modules.get(link.attribute) is not norm or _global_hooks(backward=True):
+        return True
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, Tensor) and weight.device != hidden_states.device:
+        return True
+    if hooked(norm) or _backward_hooked(norm) or "_hf_hook" in norm.__dict__:
+        return True
+    if not _fused_layer(layer) or _watched(layer, allowed_pre_hook=_is_stream_centring):
+        return True
+    return consumer is not norm and (not _fused_layer(consumer) or _watched(consumer))
 
 
 def hooked(module: nn.Module) -> bool:
     """Whether a forward hook or pre-hook, of ``module`` or global, would see ``module``'s call: a fused call
     passes it other arguments than the original's."""
-    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_forward_hooks()
+    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_hooks(backward=False)
 
 
-def put(norm: nn.Module, hidden_states: Tensor, normed: Tensor) -> None:
-    """Hands ``normed`` to ``norm`` for its next call with ``hidden_states`` (inside the current scope)."""
-    _SCOPE.get().entries[norm] = (hidden_states, _version(hidden_states), torch.is_grad_enabled(), normed)
+def _fused_layer(module: nn.Module) -> bool:
+    # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward, with no
+    # accelerate hook.
+    return "_hf_rmsnorm_base" in type(module).__dict__ and not (
+        "forward" in module.__dict__ or "_hf_hook" in module.__dict__)
 
 
-def take(norm: nn.Module, hidden_states: Tensor) -> Tensor | None:
-    """What was handed to ``norm`` for exactly ``hidden_states``, unmodified, in the current grad mode; None
-    otherwise. Consumes the entry."""
-    # No scope is ever entered under torch.compile; checking first keeps the context variable out of the trace.
-    scope = _SCOPE.get() if handoff_possible() else None
-    if scope is None:
-        return None
-    entry = scope.entries.pop(norm, None)
-    if entry is None or entry[0] is not hidden_states or entry[1] != _version(hidden_states):
-        return None
-    return entry[3] if entry[2] == torch.is_grad_enabled() else None
+def _backward_hooked(module: nn.Module) -> bool:
+    return bool(module._backward_hooks or module._backward_pre_hooks)
 
 
-def _version(t: Tensor) -> int | None:
-    # Inference tensors have no version counter; the scope and the hook checks are what rule out edits then.
-    return None if t.is_inference() else t._version
-
-
-def _foreign_code_between(layer: nn.Module, target: NextNorm) -> bool:
-    """Hooks that may see or change the hidden state between ``layer`` and the next norm, or that the next
-    norm's extra call from inside ``layer`` would surprise: forward hooks on ``layer`` other than transformers'
-    read-only output recorders, pre-hooks on the next layer, any hook on the next norm, global module hooks,
-    and accelerate's hooks (they move and offload weights)."""
-    norm = target.norm
-    if hooked(norm) or target.consumer._forward_pre_hooks:
-        return True
-    if any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values()):
-        return True
-    return any("_hf_hook" in m.__dict__ for m in (layer, target.consumer, norm))
+def _watched(layer: nn.Module, allowed_pre_hook=lambda hook: False) -> bool:
+    """Whether a hook of ``layer`` would see its private arguments or its appended output: a backward hook, a
+    forward hook but transformers' output recorders, a pre-hook but ``allowed_pre_hook``'s."""
+    if not (layer._forward_hooks or layer._forward_pre_hooks):  # the common case, decided without a scan
+        return _backward_hooked(layer)
+    return (
+        _backward_hooked(layer)
+        or any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values())
+        or any(not allowed_pre_hook(hook) for hook in layer._forward_pre_hooks.values())
+    )
 
 
 def _is_output_recorder(hook) -> bool:
@@ -159,6 +227,15 @@ def _is_output_recorder(hook) -> bool:
     )
 
 
-def _global_forward_hooks() -> bool:
+def _is_stream_centring(hook) -> bool:
+    # conversion.py's pre-hook of a converted stack's first layer (it centres the input, and never receives).
+    return (getattr(hook, "__name__", None) == "centre_stream"
+            and getattr(hook, "__module__", None) == f"{__package__}.conversion")
+
+
+def _global_hooks(*, backward: bool) -> bool:
+    """Whether a global module hook is installed: a forward hook or pre-hook, or (``backward``) a backward one."""
     module = torch.nn.modules.module
-    return bool(getattr(module, "_global_forward_hooks", None) or getattr(module, "_global_forward_pre_hooks", None))
+    if backward:
+        return bool(module._global_backward_hooks or module._global_backward_pre_hooks)
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)

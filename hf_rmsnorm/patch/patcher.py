@@ -20,7 +20,7 @@ from . import derived, fused
 from .classify import Role, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
-from .handoff import NextNorm
+from .handoff import LINKS_ATTR, NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
@@ -433,18 +433,23 @@ def _plan_handoffs(
     norms: dict[nn.Module, str],
     plan: _Plan,
 ) -> None:
-    """Plans the stacks whose layers fuse their MLP residual add into the next norm: the stack's class swap (its
-    forward opens the handoff scope) and its table of links (``handoff.py``)."""
+    """Plans the stacks whose layers fuse their last residual add into the next norm: the stack's class swap (its
+    forward, derived from its own, hands each layer's normed output on) and its table of links (``handoff.py``)."""
     for name, stack, kind in stacks:
         links = _stack_links(stack, kind, layers, norms)
         if not links:
             continue
         problem = _class_problem(type(stack)) or instance_problem(stack)
+        if problem is None:
+            try:
+                fused.fused_class(type(stack), kind)
+            except Exception as exc:  # a forward whose loop cannot be derived keeps its adds apart
+                problem = f"its derived forward failed to build ({type(exc).__name__}: {exc})"[:300]
         if problem:
             plan.report.skipped.append((name, f"residual adds across layers not fused: {problem}"))
             continue
         plan.swaps.append((stack, kind))
-        plan.attrs.append((stack, fused.LINKS_ATTR, links))
+        plan.attrs.append((stack, LINKS_ATTR, links))
         for layer, target in links.items():
             layer_name, layer_kind = layers[layer]
             plan.report.fused_adds.append(f"{layer_name}: {layer_kind.handoff_label} -> {norms[target.norm]}"
@@ -454,7 +459,7 @@ def _plan_handoffs(
 def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan) -> None:
     """Keeps the original class of a layer whose shape fuses no add inside it (a parallel block) when no stack
     links it to a next norm either: patched, it would run its adds unfused all the same, and say nothing."""
-    linked = {layer for _, attr, links in plan.attrs if attr == fused.LINKS_ATTR for layer in links}
+    linked = {layer for _, attr, links in plan.attrs if attr == LINKS_ATTR for layer in links}
     for layer, (name, kind) in layers.items():
         if not kind.fuses_inside and layer not in linked:
             plan.swaps.remove((layer, kind))

@@ -4,9 +4,10 @@ checks of a registry entry of its shape, the adds it fuses inside the layer and 
 the next norm's kernel (``handoff.py``). A family's entry (``families.LayerKind``) names its shape and its
 attribute names; adding a shape is a class here, the entries that use it and a test row.
 
-A body is a plain function of ``(layer, hidden_states, *args, **kwargs)``: ``fused.py`` gives it the original
-forward's signature. Each calls what the original calls, in the original's order (dropouts draw random
-numbers), and passes every other layer argument to the attention as the original does.
+A body is a plain function of ``(layer, hidden_states, *args, _hf_rmsnorm_call=None, **kwargs)``: the fused
+layer's forward (``fused.py``, with the original forward's signature) calls it, passing the ``handoff.LayerCall``
+of a call from the derived stack loop. Each calls what the original calls, in the original's order (dropouts draw
+random numbers), and passes every other layer argument to the attention as the original does.
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from typing import TYPE_CHECKING, Callable
 from torch import Tensor, nn
 
 from . import handoff
+from .handoff import LayerCall
 
 if TYPE_CHECKING:
     from .families import LayerKind
 
 
-def _sequential_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+def _sequential_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
+                     **kwargs) -> Tensor:
     """The sequential pre-norm decoder layer of ``LayerKind``, with the residual adds inside the norm kernels."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
-    hidden_states = _attend(self, kind, getattr(self, kind.input_norm)(hidden_states), args, kwargs)
+    hidden_states = _attend(self, kind, _input_norm(self, kind, hidden_states, _hf_rmsnorm_call), args, kwargs)
 
     post_attention_norm = getattr(self, kind.post_attention_norm)
     if _dropout_active(self, kind.attention_dropout):
@@ -41,35 +44,42 @@ def _sequential_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
 
     if _dropout_active(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
-    return handoff.add_residual(self, _scaled(self, kind, hidden_states), residual)
+    return handoff.add_residual(_hf_rmsnorm_call, _scaled(self, kind, hidden_states), residual)
 
 
-def _post_norm_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+def _post_norm_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
+                    **kwargs) -> Tensor:
     """The post-norm decoder layer of ``LayerKind`` (OLMo2; with norms before the branches too, Gemma2's
     sandwich): each branch's norm and the residual add after it in one kernel."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
     if kind.input_norm is not None:
-        hidden_states = getattr(self, kind.input_norm)(hidden_states)
+        hidden_states = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)
     hidden_states = _attend(self, kind, hidden_states, args, kwargs)
     hidden_states = getattr(self, kind.post_attention_norm)(hidden_states, add_to=residual)
     mlp_input = hidden_states if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)(hidden_states)
     return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(mlp_input), add_to=hidden_states)
 
 
-def _parallel_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+def _parallel_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
+                   **kwargs) -> Tensor:
     """The parallel pre-norm block of ``LayerKind`` (both branches read the same input): the original's calls
     in the original's order (the dropouts draw random numbers), then ``(attention + mlp) + residual``, whose
-    add goes into the next norm's kernel in inference (the branch sum is computed first, as the original does;
-    NeoX's ``mlp + attention`` is the same IEEE sum)."""
+    add goes into the next norm's kernel when the derived stack loop asks (the branch sum is computed first, as
+    the original does; NeoX's ``mlp + attention`` is the same IEEE sum)."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
-    normed = getattr(self, kind.input_norm)(hidden_states)
+    normed = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)
     attention = _dropped(self, kind.attention_dropout, _attend(self, kind, normed, args, kwargs))
     if kind.post_attention_norm is not None:
         normed = getattr(self, kind.post_attention_norm)(residual)
     mlp = _dropped(self, kind.mlp_dropout, getattr(self, kind.mlp)(normed))
-    return handoff.add_residual(self, attention + mlp, residual)
+    return handoff.add_residual(_hf_rmsnorm_call, attention + mlp, residual)
+
+
+def _input_norm(layer: nn.Module, kind: LayerKind, hidden_states: Tensor, call: LayerCall | None) -> Tensor:
+    """The input norm of ``hidden_states``, or the normed sum the previous layer handed on (``handoff.py``)."""
+    return handoff.input_norm(call, getattr(layer, kind.input_norm), hidden_states, hidden_states)
 
 
 def _attend(layer: nn.Module, kind: LayerKind, normed: Tensor, args: tuple, kwargs: dict) -> Tensor:
@@ -114,14 +124,15 @@ def _dropout_active(layer: nn.Module, name: str | None) -> bool:
     return dropout.training and dropout.p > 0
 
 
-def _parallel_residual_first_body(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+def _parallel_residual_first_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
+                                  **kwargs) -> Tensor:
     """The parallel block of ``ParallelResidualFirst`` (Cohere): ``(residual + attention) + mlp``, the first add
     as the original rounds it, the second in the next norm's kernel in a handoff."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
-    normed = getattr(self, kind.input_norm)(hidden_states)
+    normed = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)
     attention = _attend(self, kind, normed, args, kwargs)
-    return handoff.add_residual(self, getattr(self, kind.mlp)(normed), residual + attention)
+    return handoff.add_residual(_hf_rmsnorm_call, getattr(self, kind.mlp)(normed), residual + attention)
 
 
 class LayerShape:

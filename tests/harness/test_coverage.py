@@ -16,8 +16,11 @@ def test_verdicts_of_known_model_types():
     fused = coverage.check_model_type("nanochat", types["nanochat"], 60)
     assert (fused.verdict, fused.uses_rmsnorm) == ("fused", True) and fused.norms and fused.fused_adds
     assert fused.fp32_max_err <= coverage.FP32_TOLERANCE and fused.bf16_mean_err_ratio <= coverage.BF16_MEAN_SLACK
-    # The census: 2 layers x 2 adds, every one next to a norm and fused in the forward.
+    # The census: 2 layers x 2 adds, every one next to a norm and fused in the forward, compiled and
+    # checkpointed alike.
     assert fused.adds_next_to_norms == fused.adds_fused_in_forward == 4 and fused.fuses_every_add
+    assert (fused.adds_fused_compiled, fused.adds_fused_checkpointed, fused.unmeasured) == (4, 4, "")
+    assert not fused.fuses_fewer_than_eager()
     # Zamba's mamba layers add the shared transformer's output in a conditional expression, and hand their output
     # to hybrid wrapper layers: adds next to its norms, none of them in a pattern the derived forwards rewrite.
     norms_only = coverage.check_model_type("zamba", types["zamba"], 60)
@@ -112,6 +115,22 @@ def test_headline_counts_rmsnorm_and_layernorm_types_apart():
     assert "| c | C | not built | RMSNorm (in its code) |" in page
     assert "| d | D | not built | unknown (no RMSNorm in its code) |" in page
     assert "| f | F | fused | LayerNorm |" in page
+
+
+def test_the_page_counts_the_adds_fused_in_compiled_and_checkpointed_forwards():
+    counted = dict(uses_rmsnorm=True, adds_next_to_norms=4, adds_fused_in_forward=4)
+    results = [
+        coverage.Coverage("a", "A", "fused", **counted, adds_fused_compiled=4, adds_fused_checkpointed=4),
+        coverage.Coverage("b", "B", "fused", **counted, adds_fused_compiled=2, adds_fused_checkpointed=4),
+        coverage.Coverage("c", "C", "fused", **counted, adds_fused_checkpointed=4,
+                          unmeasured="compiled: Unsupported: a graph break"),
+    ]
+    line = coverage.headline(results)
+    assert "1 of the 3 fuse in a compiled forward" in line
+    assert "b (compiled 2; 4 eagerly); c (compiled not measured; 4 eagerly)" in line
+    page = coverage.render(results, "0")
+    assert "| 4, 2, 4 / 4 |" in page and "| 4, –, 4 / 4 |" in page
+    assert "not counted: compiled: Unsupported: a graph break |" in page
 
 
 def test_not_built_only_when_building_fails(monkeypatch):

@@ -20,7 +20,7 @@ from family_cases import CASES, DERIVED, names
 from harness import residual_census
 from patch_models import Parity, assert_patch_keeps_greedy_tokens
 from hf_rmsnorm import check_model, patch_model, unpatch_model
-from hf_rmsnorm.patch import derived
+from hf_rmsnorm.patch import derived, fused, handoff
 from hf_rmsnorm.patch.derived import AddSite
 
 HIDDEN = 48
@@ -205,6 +205,52 @@ class _RereadModel(ToyModel):
         return hidden_states
 
 
+class ToyTupleDecoderLayer(ToyDecoderLayer):
+    """A layer returning its hidden states first in a tuple, as GPT-J's did before transformers 5.24."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        extra = self.mixer(hidden_states)
+        hidden_states = residual + extra * scale
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        return hidden_states, extra
+
+
+class _TupleModel(ToyModel):
+    """Its loop takes the hidden states as ``outputs[0]`` and reads another item of the layer's output too."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        extras = ()
+        for layer in self.layers:
+            outputs = layer(hidden_states)
+            hidden_states = outputs[0]
+            extras = extras + (outputs[1],)
+        hidden_states = self.norm(hidden_states)
+        return hidden_states, extras
+
+
+def test_a_layer_returning_a_tuple_hands_its_output_on_and_keeps_its_other_items():
+    assert derived.stack_layout(_TupleModel.forward) == ("layers", "norm")
+    assert [site.in_tuple for site in _sites(ToyTupleDecoderLayer) if site.position == "output"] == [True]
+    torch.manual_seed(0)
+    model = _TupleModel(ToyTupleDecoderLayer).eval()
+    x = _states()
+    with torch.no_grad():
+        expected, expected_extras = model(x)
+        report = patch_model(model)
+        got, extras = model(x)
+    assert report.fused_adds[2:] == ["layers.0: layer output -> layers.1.input_layernorm",
+                                     "layers.1: layer output -> norm"]
+    assert residual_census.fused_adds(model, lambda m: m(x)) == 4
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+    assert len(extras) == 2
+    for a, b in zip(extras, expected_extras):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
 def test_model_loops_are_followed_to_the_end_of_the_forward():
     """The final norm is linked only where every loop's output reaches it untouched or never reaches anything
     again (copied out, rebound): xLSTM's chunked and whole-stream loops."""
@@ -265,15 +311,20 @@ def test_the_derived_forward_keeps_the_decorators_signature_and_source():
     from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeDecoderLayer
 
     sites = _sites(GraniteMoeDecoderLayer)
-    forward = derived.fused_forward(GraniteMoeDecoderLayer, derived.DerivedLayerKind("x", sites, "input_layernorm"))
+    kind = derived.DerivedLayerKind("x", sites, "input_layernorm")
+    forward = derived.fused_forward(GraniteMoeDecoderLayer, kind)
 
-    assert inspect.signature(forward) == inspect.signature(GraniteMoeDecoderLayer.forward)
+    # The layer's forward has the original's signature; the derived body it calls takes the handoff's call too.
+    signature = inspect.signature(GraniteMoeDecoderLayer.forward)
+    assert inspect.signature(fused.fused_class(GraniteMoeDecoderLayer, kind).forward) == signature
+    assert inspect.signature(forward).replace(parameters=[
+        p for p in inspect.signature(forward).parameters.values() if p.name != handoff.CALL_PARAM]) == signature
     assert hasattr(GraniteMoeDecoderLayer.forward, "__wrapped__") == hasattr(forward, "__wrapped__")
     # Compiled under the original's file and lines (tracebacks point at the modeling code), calling the helpers.
     code, original = inspect.unwrap(forward).__code__, inspect.unwrap(GraniteMoeDecoderLayer.forward).__code__
     assert code.co_filename == original.co_filename
     assert linecache.getline(code.co_filename, code.co_firstlineno).strip().startswith("def forward(")
-    assert {"norm_of_sum", "stream_sum"} <= set(code.co_names)
+    assert {"norm_of_sum", "stream_sum", "input_norm"} <= set(code.co_names)
 
 
 # ----------------------------------------------------------------------------------- transformers' own models

@@ -59,9 +59,8 @@ def test_gradient_checkpointing_gives_identical_gradients(use_reentrant):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_checkpointing_some_layers_gives_identical_gradients(use_reentrant):
     """Layers checkpointed next to layers that are not: the MLP add of a layer is fused into the next layer's
-    norm in training too, but never across a checkpointed layer's boundary in a way its recomputation would not
-    repeat (saved-tensor hooks stop the handoff), and a value made without a graph (reentrant checkpointing's
-    first pass runs under no_grad) never reaches a layer that records one."""
+    norm across every boundary, the normed sum passing as a positional argument (a checkpoint's input, whose
+    gradient reentrant checkpointing returns) and each layer's recomputation deciding from its arguments alone."""
     model = tiny_model("llama", layers=3).train()
     ids = input_ids()
     patched = _patched(model)
@@ -325,8 +324,8 @@ def _steered_forward(self, input_ids, **kwargs):
 
 @pytest.mark.parametrize("grad_mode", [torch.no_grad, torch.inference_mode])
 def test_a_custom_layer_loop_editing_in_place_gets_exact_outputs(grad_mode, monkeypatch):
-    """Under inference_mode tensors have no version counter: only running outside the stack's own forward
-    keeps the next norm from returning a value computed before the edit."""
+    """A loop of its own calls each layer plainly: nothing is handed on, so the edit between two layers reaches
+    the next norm (under inference_mode too)."""
     from transformers.models.llama.modeling_llama import LlamaModel
 
     model = tiny_model("llama", torch.bfloat16)

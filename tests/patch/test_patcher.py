@@ -234,33 +234,26 @@ def test_a_failure_midway_restores_everything(where, failing_call, monkeypatch):
     _assert_same(model, before)
 
 
-def test_handoff_returns_only_for_the_same_unmodified_tensor():
+def test_a_handed_on_norm_is_taken_only_by_the_norm_it_was_made_for_from_the_same_values():
     from hf_rmsnorm.patch import handoff
 
-    norm, source, normed = torch.nn.Identity(), torch.ones(2, 4), torch.zeros(2, 4)
-    with torch.no_grad():
-        assert handoff.take(norm, source) is None
-        token = handoff.enter({})
-        try:
-            handoff.put(norm, source, normed)
-            assert handoff.take(norm, torch.ones(2, 4)) is None
-            assert handoff.take(norm, source) is None  # an entry is consumed by the first call, hit or miss
-            handoff.put(norm, source, normed)
-            assert handoff.take(torch.nn.Identity(), source) is None  # another norm
-            assert handoff.take(norm, source) is normed
-            handoff.put(norm, source, normed)
-            source.mul_(2)
-            assert handoff.take(norm, source) is None
-            handoff.put(norm, source, normed)
-        finally:
-            handoff.leave(token)
-        assert handoff.take(norm, source) is None  # entries die with their scope
+    norm, other = torch.nn.Identity(), torch.nn.Identity()  # an Identity "norm" returns what it computes from
+    source, normed = torch.ones(2, 4), torch.zeros(2, 4)
+    assert handoff.final_norm((norm, normed), norm, source, source) is normed
+    assert handoff.final_norm((norm, normed), other, source, source) is source  # made for another norm
+    assert handoff.final_norm(None, norm, source, source) is source
+    # The norm of a conversion that changes the values (``h.to(torch.float64)``) is computed, not handed on.
+    converted = source.double()
+    assert handoff.final_norm((norm, normed), norm, converted, source) is converted
+    assert handoff.input_norm(handoff.LayerCall(normed, None), norm, source, source) is normed
+    assert handoff.input_norm(handoff.LayerCall(None, None), norm, source, source) is source
+    assert handoff.input_norm(None, norm, source, source) is source
 
 
 def test_a_model_running_fewer_layers_than_it_has(norms_only):
-    """``config.num_hidden_layers`` below the layer count: the last layer run hands its sum to a norm that is
-    never called, and the final norm computes it itself."""
-    from hf_rmsnorm.patch import handoff
+    """``config.num_hidden_layers`` below the layer count: the last layer run hands nothing on (the layer its link
+    names is not called next), and the final norm computes its norm itself."""
+    from harness import residual_census
 
     model = tiny_model("llama", torch.bfloat16, layers=3)
     model.config.num_hidden_layers = 2
@@ -270,7 +263,8 @@ def test_a_model_running_fewer_layers_than_it_has(norms_only):
     norms_only.undo()
     patch_model(model)
     assert torch.equal(_logits(model, ids), _logits(unfused, ids))
-    assert handoff._SCOPE.get() is None  # the unused handoff died with the call
+    # The two layers' attention adds and the first layer's output into the second's input norm.
+    assert residual_census.fused_adds(model, lambda m: m(ids)) == 3
 
 
 @pytest.mark.parametrize("obj", [42, "model", torch.nn.Linear(4, 4)], ids=["int", "str", "Linear"])

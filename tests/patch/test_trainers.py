@@ -49,15 +49,14 @@ def kernel_calls(monkeypatch):
 
 def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool) -> dict[str, int]:
     """The kernel calls of one process's training steps on a patched tiny model: every patched norm runs once
-    per step; each layer's attention residual add runs inside its post_attention_layernorm's kernel and, without
-    checkpointing, its MLP residual add inside the next norm's (the next layer's input norm, or the final norm),
-    which then runs no kernel of its own. Under gradient checkpointing (transformers' default, non-reentrant)
-    the norms inside the layers run twice, each layer being run again to recompute it, and the MLP adds stay
-    apart: the handoff is off where saved-tensor hooks are on (the final norm is the one norm outside the
-    layers)."""
-    fused_adds = 2 * n_layers * STEPS
-    calls = ((n_norms - 1) * 2 + 1) * STEPS if checkpointing else n_norms * STEPS
-    return {"norm": calls - fused_adds, "fused_add_norm": fused_adds}
+    per step; each layer's attention residual add runs inside its post_attention_layernorm's kernel and its MLP
+    residual add inside the next norm's (the next layer's input norm, or the final norm), which the layer calls
+    and the next one is handed (``hf_rmsnorm.patch.handoff``). So every norm runs inside a layer, and under
+    gradient checkpointing (every layer, as transformers checkpoints by default) runs again when its layer is
+    recomputed, the MLP adds fused all the same."""
+    runs = 2 if checkpointing else 1
+    fused_adds = 2 * n_layers * STEPS * runs
+    return {"norm": n_norms * STEPS * runs - fused_adds, "fused_add_norm": fused_adds}
 
 
 # --- Trainer under accelerate launch: 2 processes, DDP over gloo -------------------------------------------
