@@ -31,7 +31,7 @@ class FamilyCase:
     ``norms`` patched and ``adds`` fused by a plain ``patch_model``; ``mode`` the casting mode its norms are
     recognised in (docs/numerics.md's table; None: not checked); ``parallel``: a parallel block (one add per layer,
     into the next norm's kernel); ``derived_forward``: its layers fused through the forward derived from their own
-    code (``hf_rmsnorm.patch.derived``), no registered shape fitting them.
+    code (``hf_rmsnorm.patch.derived_rewrite``), no registered shape fitting them.
     """
 
     model_type: str

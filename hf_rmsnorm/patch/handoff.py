@@ -1,7 +1,7 @@
 """Cross-layer fusion as data flow: layer ``i``'s last residual add computed by the next norm's kernel, whose
 normed output reaches that norm's reader as an argument.
 
-The stack's forward is derived from its own code (``derived.fused_stack_forward``): its loop over the layers
+The stack's forward is derived from its own code (``derived_rewrite.fused_stack_forward``): its loop over the layers
 calls ``call_layer`` for each layer, with the layer the loop calls next. Where the stack links the layer to the
 next norm (``NextNorm``: layer ``i + 1``'s input norm, or the final norm after the last layer) and nothing else
 watches them (``foreign_code``), the layer is called with a private keyword, ``KWARG = (next norm, receives)``:
