@@ -37,6 +37,8 @@ import sys
 import types
 from dataclasses import dataclass
 
+from .instance_forwards import function_path
+
 # The parameter the compiled factory takes the derived forwards' helpers by (``derived_runtime``), which they call
 # as ``_hf_rmsnorm_derived.<name>``.
 HELPERS = "_hf_rmsnorm_derived"
@@ -169,15 +171,7 @@ _ONLY_ITS_OWN = "patch_model only patches the forward transformers defines"
 
 
 def _foreign_text(cls: type, function: object) -> str:
-    return f"{cls.__qualname__}.forward was replaced by {_function_path(function)}; {_ONLY_ITS_OWN}"
-
-
-def _function_path(function: object) -> str:
-    """Where ``function`` really comes from: its code's qualified name in its globals' module (``functools.wraps``
-    copies ``__module__`` and ``__qualname__``, not these)."""
-    if isinstance(function, types.FunctionType):
-        return f"{function.__globals__.get('__name__')}.{function.__code__.co_qualname}"
-    return f"{type(function).__module__}.{type(function).__qualname__}"
+    return f"{cls.__qualname__}.forward was replaced by {function_path(function)}; {_ONLY_ITS_OWN}"
 
 
 def _cells(function: types.FunctionType) -> dict[str, object]:
@@ -378,8 +372,8 @@ def _difference(running: object, built: object, context: _Context) -> _Differenc
     context.seen.add((id(running), id(built)))
     if not isinstance(running, types.FunctionType) or not isinstance(built, types.FunctionType):
         if type(running) is not type(built):
-            return _Difference(True, f"{context.definer.__qualname__}.forward runs {_function_path(running)} where its "
-                                     f"source has {_function_path(built)}")
+            return _Difference(True, f"{context.definer.__qualname__}.forward runs {function_path(running)} "
+                                     f"where its source has {function_path(built)}")
         return None if _same_value(running, built, context) else _stale(context, "holds other values")
     if not _same_function_code(running, built):
         return _code_difference(running, built, context)
@@ -398,7 +392,7 @@ def _difference(running: object, built: object, context: _Context) -> _Differenc
             if difference is not None:
                 return difference
         elif not _same_value(value, built_cells[name], context):
-            return _stale(context, f"{_function_path(running)} holds {name}={value!r}, its source's "
+            return _stale(context, f"{function_path(running)} holds {name}={value!r}, its source's "
                                    f"{built_cells[name]!r}")
     wrapped = getattr(running, "__wrapped__", None), getattr(built, "__wrapped__", None)
     if wrapped != (None, None):
@@ -412,7 +406,7 @@ def _code_difference(running: types.FunctionType, built: types.FunctionType, con
     inner_running = _without_checkpointing(getattr(running, "__wrapped__", None))
     inner_built = getattr(built, "__wrapped__", None)
     if isinstance(inner_running, types.FunctionType) and _same_function_code(inner_running, built):
-        return _Difference(True, f"{context.definer.__qualname__}.forward is wrapped by {_function_path(running)}, "
+        return _Difference(True, f"{context.definer.__qualname__}.forward is wrapped by {function_path(running)}, "
                                  f"which its source does not apply; {_ONLY_ITS_OWN} (patch before wrapping it)")
     if isinstance(inner_built, types.FunctionType) and _same_function_code(running, inner_built):
         return _stale(context, f"its source applies {_decorator_text(built, context)}, which the running function "
@@ -431,7 +425,7 @@ def _decorator_text(built: types.FunctionType, context: _Context) -> str:
     decorators = context.node.decorator_list
     if inner is context.bare and 0 < depth <= len(decorators):
         return ast.unparse(decorators[len(decorators) - depth])
-    return _function_path(built)
+    return function_path(built)
 
 
 def _stale(context: _Context, what: str) -> _Difference:

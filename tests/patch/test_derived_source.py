@@ -83,19 +83,24 @@ def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------- foreign wrappers
 
 
-@pytest.mark.parametrize("kind", ["wraps", "plain"])
+@pytest.mark.parametrize("kind", ["wraps", "plain", "instance"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_layer_forward_wrapped_before_patching_keeps_its_wrapper_and_its_adds(family, kind, monkeypatch):
-    """A layer class whose forward another library wrapped: its norms are patched, its adds are not, and the
-    wrapper runs; the report names the wrapper's module."""
+    """A layer whose forward another library wrapped (on its class with or without ``functools.wraps``, or on
+    each instance): its norms are patched, its adds are not, and the wrapper runs; the report names the wrapper's
+    module."""
     model = _model(family)
     layer_class = type(model.model.layers[0])
-    monkeypatch.setattr(layer_class, "forward", _wrapping(layer_class.forward, kind))
+    if kind == "instance":
+        for layer in model.model.layers:
+            layer.forward = _wrapping(layer_class.forward, "wraps").__get__(layer)
+    else:
+        monkeypatch.setattr(layer_class, "forward", _wrapping(layer_class.forward, kind))
     ids = input_ids()
     expected = _logits(model, ids)
     report = patch_model(model)
     assert report.norms and report.fused_adds == []
-    verb = "is wrapped by" if kind == "wraps" else "was replaced by"
+    verb = {"wraps": "is wrapped by", "plain": "was replaced by", "instance": "was replaced on the instance by"}[kind]
     assert f"forward {verb} {__name__}." in dict(report.skipped)["model.layers.0"]
     _assert_close(_logits(model, ids), expected)
 
