@@ -362,3 +362,62 @@ def test_export_annotates_each_fused_add_with_the_adds_line():
             lines.add(int(frame.split(", line ")[1].split(",")[0]))
     first = ToyDecoderLayer.forward.__code__.co_firstlineno
     assert lines == {first + 3, first + 6}
+
+
+@pytest.fixture
+def edited_modeling(tmp_path):
+    """``(model, copy)``: ``family``'s tiny model, and the same model (weights and config) built from a copy of
+    its modeling file imported under a name of its own, whose decoder layer's forward is then decorated with
+    ``@torch.no_grad()`` on disk: the file edited since import, a line added above the layers' and the model's
+    forwards."""
+    names = []
+
+    def make(family: str):
+        model = _model(family)
+        original = sys.modules[type(model).__module__]
+        path = tmp_path / f"modeling_copy_{uuid.uuid4().hex}.py"
+        text = inspect.getsource(original)
+        path.write_text(text)
+        name = f"{original.__package__}.{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        names.append(name)
+        spec.loader.exec_module(module)
+        copied = getattr(module, type(model).__name__)._from_config(model.config, experts_implementation="eager")
+        copied.load_state_dict(model.state_dict())
+        layer = type(model.model.layers[0]).__name__
+        start = text.index("\n    def forward(", text.index(f"\nclass {layer}("))
+        while text[:start].splitlines()[-1].startswith("    @"):  # above the decorators written over it
+            start = text.rindex("\n", 0, start)
+        path.write_text(text[:start] + "\n    @torch.no_grad()" + text[start:])
+        return model, copied.eval()
+
+    yield make
+    for name in names:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_transformers_layer_whose_file_changed_since_import_trains_as_the_unpatched_one(family, edited_modeling):
+    """The layer (of a copied file, so of no registered class: derived from, Llama's and Qwen3's too) is refused
+    with what differs, the decorator its file now applies, and the patched model's loss and gradients are the
+    unpatched one's."""
+    _, copied = edited_modeling(family)
+    patched = copy.deepcopy(copied)
+    report = patch_model(patched)
+    assert report.fused_adds == []
+    assert dict(report.skipped)["model.layers.0"] == (
+        f"residual adds not fused: the source of {type(copied.model.layers[0]).__qualname__}.forward on disk is not "
+        "the code running: its source applies torch.no_grad(), which the running function lacks (its file changed "
+        "since it was imported)")
+    ids = input_ids()
+    results = []
+    for m in (copied.train(), patched.train()):
+        loss = m(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    (expected_loss, expected), (loss, grads) = results
+    assert loss == pytest.approx(expected_loss, rel=1e-5) and grads.keys() == expected.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(), msg=name)
