@@ -60,7 +60,8 @@ def stack_loops(forward: derived_source.ClassForward, function: ast.FunctionDef)
     """The loops over the layers of ``function`` (a parse of ``forward``'s def of its own); None for each loop
     over them not of the form read."""
     loops: list[StackLoop | None] = []
-    context = _Context(self_name(function), plain_locals(forward.undecorated.__code__), parents(function))
+    context = _Context(self_name(function), plain_locals(forward.undecorated.__code__, function),
+                       parents(function))
     _layer_loops(function.body, [], context, loops)
     return loops
 

@@ -22,7 +22,7 @@ moment gives the same values, with the same effects in the same order. The argum
 three facts of the models: looking up ``self.<path>`` runs no code of the model and finds the same module
 throughout a statement; a norm does not change its argument; ``r + y`` of two tensors (or a tensor and a number)
 equals ``y + r``. A statement breaking one of the invariants below keeps its add as written, and the report says
-which invariant (``Refusal``); each has a toy layer breaking it in ``tests/patch/test_derived_soundness.py``.
+which invariant (``Refusal``); ``tests/patch/test_derived_soundness.py`` breaks each check with a toy layer.
 
 1. *Once, where it is written.* A norm call a rewrite moves or replaces lies in the forward's own scope: not in a
    lambda, a nested function or class, a comprehension or a generator expression, where it runs later (after its
@@ -36,8 +36,8 @@ which invariant (``Refusal``); each has a toy layer breaking it in ``tests/patch
 3. *No operand is rebound.* An operand read at another moment than the original's is a local name that nothing in
    between can rebind: ``after`` reads its residual ``r`` after the norm's argument ``e`` (``r + F(e)``) or before
    the norm's call (``y = F(e); s = r + y``), so ``r`` is a name (an attribute or a call could change), bound by no
-   ``:=`` in the statement, captured by no nested function (which could rebind it with ``nonlocal``), declared
-   neither ``global`` nor ``nonlocal``. The name a stack's loop passes from layer to layer (``derived_loops.py``)
+   ``:=`` in the statement or in a comprehension, declared ``nonlocal`` by no nested function (which could rebind
+   it when called), declared neither ``global`` nor ``nonlocal`` itself. The name a stack's loop passes from layer to layer (``derived_loops.py``)
    obeys the same rule. The layer's input, which its input norm's replacement relies on, needs nothing more: the
    norm must be the first statement naming it, and what could rebind it (a nested function, ``:=``) names it.
 4. *The original's order.* The helpers evaluate their arguments left to right, as the original evaluates its
@@ -49,7 +49,8 @@ which invariant (``Refusal``); each has a toy layer breaking it in ``tests/patch
    handler, ``finally`` or context manager could go on and read the sum. An output add inside a ``try`` is not
    handed on either: its ``finally`` could return something else than the sum.
 6. *A binding removed is read nowhere.* ``y = F(e); s = r + y`` no longer binds ``y``: ``y`` is ``s``, or a local
-   named nowhere else in the forward (nested scopes included).
+   read or deleted nowhere else in the forward (nested scopes included), so its previous binding, which it keeps,
+   is never met.
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
 """
@@ -62,7 +63,7 @@ from dataclasses import dataclass, field
 
 from . import derived_source
 from .derived_syntax import (
-    assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents, reads_only,
+    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents, reads_only,
     returned_sum, self_name, summed, walrus_targets,
 )
 
@@ -236,13 +237,19 @@ def signature_problem(function: ast.FunctionDef) -> str | None:
 def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
              norms: frozenset[tuple[str, ...]]) -> LayerAnalysis:
     """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms."""
-    return _Analysis(function, norms, plain_locals(forward.undecorated.__code__)).result
+    return _Analysis(function, norms, plain_locals(forward.undecorated.__code__, function)).result
 
 
-def plain_locals(code: types.CodeType) -> frozenset[str]:
-    """The names only the function itself can rebind: its locals that no nested scope captures (a global or
-    nonlocal name is no local)."""
-    return frozenset(code.co_varnames) - frozenset(code.co_cellvars)
+def plain_locals(code: types.CodeType, function: ast.FunctionDef) -> frozenset[str]:
+    """The names only the function's own statements can rebind: its locals (``code``'s, captured by a nested scope
+    or not: reading them there changes nothing), but those a nested function rebinds (``nonlocal``), a
+    comprehension binds (``:=`` binds the enclosing function's name) or the function declares ``global`` or
+    ``nonlocal`` (none of its locals then)."""
+    rebound = {name for node in ast.walk(function) if isinstance(node, (ast.Global, ast.Nonlocal))
+               for name in node.names}
+    rebound |= {target for node in ast.walk(function) if isinstance(node, COMPREHENSIONS)
+                for target in walrus_targets(node)}
+    return frozenset(code.co_varnames + code.co_cellvars) - rebound
 
 
 # ------------------------------------------------------------------------------------- the analysis
@@ -379,17 +386,18 @@ class _Analysis:
         if residual.id in walrus_targets(statement):
             return f"':=' in the statement rebinds its residual {residual.id}"
         if residual.id not in self.plain:
-            return (f"its residual {residual.id} is captured by a nested function or declared global or nonlocal: "
-                    "code run in between could rebind it")
+            return (f"its residual {residual.id} is rebound by a nested scope, or no local: code run in between "
+                    "could rebind it")
         return None
 
     def _binding_problem(self, normed: str, total: str | None, first: ast.stmt, second: ast.stmt) -> str | None:
-        """Invariant 6 for ``y = F(e); s = r + y``, which no longer binds ``y``."""
+        """Invariant 6 for ``y = F(e); s = r + y``, which no longer binds ``y``: a read or a ``del`` of ``y``
+        elsewhere could meet its previous binding, or none."""
         if normed == total:
             return None
-        if normed not in self.plain or len(named(self.function, normed)) != len(named(first, normed)) + len(
-                named(second, normed)):
-            return f"{normed}, which the rewrite no longer binds, is named elsewhere in the forward"
+        used = [n for n in named(self.function, normed) if not isinstance(n.ctx, ast.Store)]
+        if normed not in self.plain or len(used) != len(loads(first, {normed})) + len(loads(second, {normed})):
+            return f"{normed}, which the rewrite no longer binds, is read or deleted elsewhere in the forward"
         return None
 
     def _output(self, statements: list[ast.stmt], i: int, following: ast.stmt | None,

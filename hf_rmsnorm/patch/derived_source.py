@@ -77,7 +77,7 @@ def foreign_forward(cls: type) -> str | None:
     definer, running, node = located
     if node is None:  # the def itself, no wrapper: nothing foreign can run
         return None
-    built = _built_from_source(definer, running, node)
+    built = _built_from_source(definer, node)
     if isinstance(built, str):
         return f"cannot tell whether {cls.__qualname__}.forward is wrapped by foreign code: {built}"
     fresh, bare = built
@@ -96,7 +96,7 @@ def class_forward(cls: type) -> ClassForward | str:
         node = _forward_def(definer)
         if isinstance(node, str):
             return node
-    built = _built_from_source(definer, running, node)
+    built = _built_from_source(definer, node)
     if isinstance(built, str):
         return built
     fresh, bare = built
@@ -208,7 +208,8 @@ def _forward_def(definer: type) -> ast.FunctionDef | str:
     for name in definer.__qualname__.split("."):
         found = _last_binding(statements, name)
         if not isinstance(found, ast.ClassDef):
-            return f"{filename} defines no class {definer.__qualname__} (its file changed since it was imported)"
+            return (f"no class statement of {filename} as it is now defines {definer.__qualname__} (the file changed "
+                    "since it was imported, or the class was made otherwise)")
         statements = found.body
     found = _last_binding(statements, "forward")
     if not isinstance(found, ast.FunctionDef):
@@ -251,8 +252,7 @@ def _last_binding(statements: list[ast.stmt], name: str) -> ast.stmt | None:
 # ------------------------------------------------------------------------------------- compiling
 
 
-def _built_from_source(definer: type, running: types.FunctionType, node: ast.FunctionDef
-                       ) -> tuple[object, types.FunctionType] | str:
+def _built_from_source(definer: type, node: ast.FunctionDef) -> tuple[object, types.FunctionType] | str:
     """``(decorated, bare)``: the def ``node`` compiled and decorated as the class body did, and the function
     before its decorators; or why that fails."""
     try:
@@ -348,7 +348,7 @@ def _module_facts(tree: ast.Module) -> tuple[tuple[str, ...], int]:
 
 
 class _Context:
-    """What a comparison knows: the definer and its def (to name decorators and parameters), the source's bare
+    """What a comparison knows: the definer and its def (to name a decorator), the source's bare
     def, and, once met, the running function paired with it (``live_def``)."""
 
     def __init__(self, definer: type, node: ast.FunctionDef, bare: types.FunctionType) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import ast
 
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 # Nodes whose body is another scope: code there runs when the scope is called or iterated, not where it is written.
-NESTED_SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ListComp, ast.SetComp,
-                 ast.DictComp, ast.GeneratorExp)
+NESTED_SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, *COMPREHENSIONS)
 
 
 def self_name(function: ast.FunctionDef) -> str:

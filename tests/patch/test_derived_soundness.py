@@ -181,11 +181,12 @@ BROKEN = {
     "2 call before": (_CallBeforeLayer, "before the norm, which would then run first",
                       ("mixer", "post_attention_layernorm"), None),
     "3 walrus": (_WalrusLayer, "':=' in the statement rebinds its residual residual", (), None),
-    "3 nonlocal": (_NonlocalLayer, "its residual residual is captured by a nested function", (), None),
+    "3 nonlocal": (_NonlocalLayer, "its residual residual is rebound by a nested scope", (), None),
     "3 call": (_CallResidualLayer, "its residual self.mixer(hidden_states) is no local name", ("mixer", "mlp"), None),
     "5 with": (_SuppressedLayer, "it sits in a with block", (), "post_attention_layernorm"),
     "5 try": (_OverriddenReturnLayer, "it sits in a try block, whose finally could return", (), None),
-    "6 read again": (_ReadAgainLayer, "normed, which the rewrite no longer binds, is named elsewhere", (), None),
+    "6 read again": (_ReadAgainLayer, "normed, which the rewrite no longer binds, is read or deleted elsewhere",
+                     (), None),
 }
 
 
