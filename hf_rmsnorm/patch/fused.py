@@ -68,6 +68,9 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
                 # positional arguments go on to the attention under these, as the original passes them.
                 namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
+        # The forward as installed (transformers may wrap it when the class is made): one another library sets on
+        # the class later is not this one (``handoff`` then makes the plain calls).
+        cls._hf_rmsnorm_forward = cls.__dict__["forward"]
     return cls
 
 

@@ -197,9 +197,10 @@ def hooked(module: nn.Module) -> bool:
 
 
 def _fused_layer(module: nn.Module) -> bool:
-    # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward, with no
-    # accelerate hook.
-    return "_hf_rmsnorm_base" in type(module).__dict__ and not (
+    # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward as installed
+    # (no wrapper set on the class since), with no accelerate hook.
+    cls = type(module).__dict__
+    return "_hf_rmsnorm_base" in cls and cls["forward"] is cls["_hf_rmsnorm_forward"] and not (
         "forward" in module.__dict__ or "_hf_hook" in module.__dict__)
 
 

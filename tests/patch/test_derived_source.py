@@ -127,6 +127,25 @@ def test_a_layer_forward_wrapped_after_patching_runs_its_wrapper_unfused(family,
     assert residual_census.fused_adds(model, lambda m: _logits(m, ids)) == CASES[family].adds
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_wrapper_put_on_the_patched_layer_class_sees_the_unpatched_calls(family, monkeypatch):
+    """A library wrapping every module class's forward after patching wraps the patched class itself: the loop
+    then calls the layers plainly (no private argument, no appended output reaches the wrapper)."""
+    model = _model(family)
+    ids = input_ids()
+    layer_class = type(model.model.layers[0])
+    with monkeypatch.context() as wrapped:
+        wrapped.setattr(layer_class, "forward", _wrapping(layer_class.forward, "wraps"))
+        expected = _logits(model, ids)
+    report = patch_model(model)
+    patched_class = type(model.model.layers[0])
+    monkeypatch.setattr(patched_class, "forward", _wrapping(patched_class.forward, "wraps"))
+    _assert_close(_logits(model, ids), expected)
+    # What is left fused: the adds inside each layer ("<layer>: <add> -> <a norm of that layer>").
+    inner = [line for line in report.fused_adds if line.split(" -> ")[1].startswith(line.split(": ")[0] + ".")]
+    assert residual_census.fused_adds(model, lambda m: _logits(m, ids)) == len(inner) < CASES[family].adds
+
+
 @pytest.mark.parametrize("family", ["granitemoe", "apertus"])
 def test_a_stack_forward_wrapped_before_patching_hands_nothing_on_and_says_why(family, monkeypatch):
     model = _model(family)
