@@ -172,7 +172,7 @@ def training_step(model, ids: torch.Tensor, runner=None) -> tuple[int, torch.Ten
 
     outputs = []
     count = residual_census.fused_adds(
-        runner or model, lambda m: outputs.append(m(ids, labels=ids, use_cache=False)), grad=True)
+        model if runner is None else runner, lambda m: outputs.append(m(ids, labels=ids, use_cache=False)), grad=True)
     model.zero_grad()
     outputs[0].loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
