@@ -62,13 +62,17 @@ def watched(module: nn.Module, read_only: Callable[[Callable], bool] = _never) -
     """Whether a hook would see a call of ``module`` or its backward (module docstring): any backward hook or
     backward pre-hook of ``module``, any global hook, any forward hook or pre-hook of ``module`` but those
     ``read_only`` accepts (hooks that see the same either way)."""
-    return bool(
-        module._backward_hooks or module._backward_pre_hooks
-        or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
-        or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks
-        or (module._forward_hooks and not all(map(read_only, module._forward_hooks.values())))
-        or (module._forward_pre_hooks and not all(map(read_only, module._forward_pre_hooks.values())))
-    )
+    # nn.Module keeps its hook dictionaries in its __dict__: read there, they skip the slower attribute lookup
+    # nn.Module.__getattr__ imposes (this runs at every fused site of every call).
+    hooks = module.__dict__
+    if (hooks["_backward_hooks"] or hooks["_backward_pre_hooks"]
+            or _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks
+            or _torch_module._global_backward_hooks or _torch_module._global_backward_pre_hooks):
+        return True
+    forward, pre = hooks["_forward_hooks"], hooks["_forward_pre_hooks"]
+    if not (forward or pre):  # the common case, decided without a scan
+        return False
+    return not (all(map(read_only, forward.values())) and all(map(read_only, pre.values())))
 
 
 def is_output_recorder(hook: Callable) -> bool:
