@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from . import handoff
+from . import guard, handoff
 from .families import NormKind, StackKind
 
 # The closure name the derived forward calls the helpers below by (this module, passed to it).
@@ -291,7 +291,7 @@ def _fusable(norm: object, a: object, b: object) -> bool:
         isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
         and isinstance(a, Tensor) and isinstance(b, Tensor)
         and type(a) is type(b) and a.shape == b.shape and a.device == b.device
-        and not handoff.hooked(norm)
+        and not guard.watched(norm)
     )
 
 
