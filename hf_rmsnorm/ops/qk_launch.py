@@ -129,14 +129,14 @@ def qk_norm_rope_forward(
     k_norm_dtype = m.output_dtype(k.dtype, k_weight, None)
     q_out = q.new_empty(q.shape, dtype=qk_output_dtype(q_norm_dtype, cos.dtype))
     k_out = k.new_empty(k.shape, dtype=qk_output_dtype(k_norm_dtype, cos.dtype))
-    q_rows, k_rows = int(qk_rows(q, per_head)), int(qk_rows(k, per_head))
+    q_rows, k_rows = qk_rows(q, per_head), qk_rows(k, per_head)  # symbolic while torch.compile traces: rows vary
     stats = torch.empty(qk_stats_shape(q, k, per_head), dtype=torch.float32, device=q.device) if store_stats else None
     plan = qk_plan(head_dim, rotary_dim, _heads_in_row(q, per_head), _heads_in_row(k, per_head))
     grid = cdiv(q_rows, plan.q_block_m) + cdiv(k_rows, plan.k_block_m)
     if grid == 0:
         return q_out, k_out, stats
     args = (q, k, _contiguous(q_weight), _contiguous(k_weight), cos, sin, q_out, k_out, stats,
-            q_rows, k_rows, int(q.shape[2]), int(k.shape[2]), int(q.shape[1]),
+            q_rows, k_rows, int(q.shape[2]), int(k.shape[2]), q.shape[1],
             *_strides(q), *_strides(k), *_strides(q_out), *_strides(k_out), *_trig_strides(cos), *_trig_strides(sin),
             q_eps, k_eps)
     constexprs = dict(HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,
@@ -163,7 +163,7 @@ def qk_norm_rope_backward(
     dq_out, dk_out, q, k, cos, sin = (_unit_last_stride(t) for t in (dq_out, dk_out, q, k, cos, sin))
     dq = q.new_empty(q.shape)
     dk = k.new_empty(k.shape)
-    q_rows, k_rows = int(qk_rows(q, per_head)), int(qk_rows(k, per_head))
+    q_rows, k_rows = qk_rows(q, per_head), qk_rows(k, per_head)  # symbolic while torch.compile traces: rows vary
     plan = qk_plan(head_dim, rotary_dim, _heads_in_row(q, per_head), _heads_in_row(k, per_head))
     q_blocks, k_blocks = cdiv(q_rows, plan.q_block_m), cdiv(k_rows, plan.k_block_m)
     device = q.device
@@ -181,7 +181,7 @@ def qk_norm_rope_backward(
     sync = torch.zeros(STATS_SYNC_SLOTS, dtype=stats.dtype, device=device) if is_traced(dq_out) else stats
     args = (dq_out, dk_out, q, k, _contiguous(q_weight), _contiguous(k_weight), cos, sin, stats.contiguous(), dq, dk,
             dqw_partial, dkw_partial, dqw, dkw, sync,
-            q_rows, k_rows, int(q.shape[2]), int(k.shape[2]), int(q.shape[1]),
+            q_rows, k_rows, int(q.shape[2]), int(k.shape[2]), q.shape[1],
             *_strides(dq_out), *_strides(dk_out), *_strides(q), *_strides(k), *_strides(dq), *_strides(dk),
             *_trig_strides(cos), *_trig_strides(sin))
     constexprs = dict(HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,

@@ -4,19 +4,25 @@ backward, in Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
 import torch
+from launching import SCRIPTS, TESTS
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.glm4_moe import modeling_glm4_moe
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.qwen3 import modeling_qwen3
 
+from harness import kernel_inspect
 from hf_rmsnorm import qk_norm_rope
 from hf_rmsnorm.ops import qk_launch, reference
 from hf_rmsnorm.ops.backend import kernels_interpreted
+from hf_rmsnorm.ops.kernels import row_count_args
 
 pytestmark = pytest.mark.skipif(
     not kernels_interpreted() and not torch.cuda.is_available(), reason="kernels need a GPU or Triton's interpreter"
@@ -453,3 +459,66 @@ def test_no_tokens():
     dq, dk, dqw, dkw = torch.autograd.grad((q_out, k_out), (q, k, q_weight, k_weight),
                                            (torch.ones_like(q_out), torch.ones_like(k_out)))
     assert dq.shape == q.shape and not dqw.any() and not dkw.any()
+
+
+# ------------------------------------------------------------------ the compiled GPU path and the offline build
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict:
+    result = subprocess.run([sys.executable, str(TESTS / "trace_qk_ops.py")], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_compiled_calls_on_a_gpu_trace_into_the_kernel_launch(traced):
+    """On fake CUDA tensors the graphs inductor gets hold the kernel launches, no custom op: torch's analysis finds
+    that each kernel writes its outputs and nothing else (an input it thought written would be cloned and copied
+    back); the backward counts on fresh zeros (SYNC), never on the statistics, an input of its graph; the rows
+    stay symbolic under dynamic shapes (one graph for every token count)."""
+    cases = traced["cases"]
+    for name in ("qwen3", "olmo2_dynamic", "weightless"):
+        hop, = cases[name]["hops"]
+        assert (hop["kernel"], hop["writes"]) == ("qk_norm_rope_fwd_kernel", ["KOUT", "QOUT", "STATS"])
+        assert cases[name]["outputs"] == ["aten.transpose.int"] * 2
+        assert not [op for op in cases[name]["ops"] if "hf_rmsnorm" in op]
+    assert cases["weightless"]["hops"][0]["none"] == ["KW", "QW"]
+    assert {"q_rows", "k_rows", "tokens"} <= set(cases["olmo2_dynamic"]["hops"][0]["symbolic"])
+    hop, = cases["qwen3_backward"]["hops"]
+    assert hop["kernel"] == "qk_norm_rope_bwd_kernel"
+    assert hop["writes"] == ["DK", "DKW", "DKW_PARTIAL", "DQ", "DQW", "DQW_PARTIAL", "SYNC"]
+    assert cases["qwen3_backward"]["outputs"] == [f"qk_norm_rope_bwd_kernel:{name}" for name in ("DQ", "DK", "DQW",
+                                                                                                   "DKW")]
+    # torch finds each Triton op's kernel (its compile caches key on it) by reading the op's code.
+    assert traced["kernels_of_ops"] == {"qk_norm_rope_fwd_triton": ["qk_norm_rope_fwd_kernel"],
+                                        "qk_norm_rope_bwd_triton": ["qk_norm_rope_bwd_kernel"]}
+
+
+@pytest.mark.parametrize("variant", ["qk-fwd", "qk-infer", "qk-bwd", "qk-whole-bwd"])
+def test_the_launch_constants_do_not_depend_on_the_token_count(variant):
+    """Batch invariance on a GPU: qk_launch.py's host code (captured on meta tensors) passes the same constexprs and
+    warps at every token count, and the kernels do not specialise on it (kernels.ROW_COUNT_ARGS)."""
+    launches = {rows: kernel_inspect.capture_qk_launch(variant, torch.bfloat16, 128 if "whole" not in variant else 4096,
+                                                       rows, "llama")
+                for rows in (1, 2, 16, 17, 4095)}
+    assert len({repr((kernel, kwargs)) for kernel, _, kwargs in launches.values()}) == 1
+    assert {"q_rows", "k_rows", "tokens"} <= set(row_count_args(launches[1][0].fn))
+
+
+@pytest.mark.skipif(kernel_inspect.unavailable_reason() is not None, reason=str(kernel_inspect.unavailable_reason()))
+def test_offline_build_spills_within_the_budget_with_128_bit_loads(tmp_path):
+    """Compiled for sm_90 (scripts/inspect_kernels.py, in a process of its own: here the kernels are interpreted)."""
+    out = tmp_path / "inspect.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "inspect_kernels.py"), "--arch", "sm_90", "--hidden", "80",
+                           "4096", "--dtype", "bf16", "--variant", "qk-fwd", "qk-bwd", "qk-whole-bwd", "--strict",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = json.loads(out.read_text())
+    # Heads of 80 and of 4096 (one head a row); projections of 32 heads of 128 (none of 80: no whole heads).
+    assert {(r["kernel"], r["variant"], r["hidden"]) for r in records} == {
+        ("qk_norm_rope_fwd_kernel", "qk-fwd", 80), ("qk_norm_rope_bwd_kernel", "qk-bwd", 80),
+        ("qk_norm_rope_fwd_kernel", "qk-fwd", 4096), ("qk_norm_rope_bwd_kernel", "qk-bwd", 4096),
+        ("qk_norm_rope_bwd_kernel", "qk-whole-bwd", 4096)}
+    for r in records:
+        assert r["spill_bytes"] <= kernel_inspect.MAX_SPILL_BYTES and r["vector_bits"] == 128, r
