@@ -28,6 +28,7 @@ import torch
 
 from .backend import KERNEL_DTYPES
 from .modes import MODES, get_mode
+from .qk_launch import QK_MAX_ROW_ELEMENTS, qk_row_tile, qk_stats_shape
 
 # The kernels load fp16, bf16 and fp32; fp64 takes the PyTorch implementation (backend.runs_kernels).
 FLOAT_DTYPES = KERNEL_DTYPES | {torch.float64}
@@ -182,8 +183,6 @@ def check_qk_norm_rope(
             row wider than the kernels' tile; a tensor not on ``q``'s device; an eps negative, infinite or NaN;
             ``mode`` unknown or centring (LayerNorm).
     """
-    from .qk_launch import QK_MAX_ROW_ELEMENTS, qk_row_tile
-
     op = _QK_OP
     _check_dtypes_and_devices(op, _QK_NAMES, (q, k, q_weight, k_weight, cos, sin))
     m = MODES.get(mode)
@@ -257,8 +256,6 @@ def check_qk_norm_rope_backward(
         raise _same_shape_error(op, "dq_out", dq_out, "q", q)
     if dk_out.shape != k.shape:
         raise _same_shape_error(op, "dk_out", dk_out, "k", k)
-    from .qk_launch import qk_stats_shape
-
     stats_shape = qk_stats_shape(q, k, per_head)
     if stats.shape != stats_shape:
         raise ValueError(f"{op}: stats has shape {_sizes(stats.shape)} but the forward saves {_sizes(stats_shape)} "

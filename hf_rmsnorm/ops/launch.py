@@ -19,6 +19,7 @@ from torch.library import wrap_triton
 from .fast_launch import CachedLauncher, all_aligned, int_class
 from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
 from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
+from .qk_kernels import qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
@@ -166,7 +167,8 @@ def is_traced(t: torch.Tensor) -> bool:
 
 
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel)}
+                                                              column_bwd_kernel, qk_norm_rope_fwd_kernel,
+                                                              qk_norm_rope_bwd_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,

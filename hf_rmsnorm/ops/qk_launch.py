@@ -26,7 +26,8 @@ from .launch import (
     is_traced,
     program_slots,
 )
-from .modes import STATS_SYNC_SLOTS, get_mode
+from .fast_launch import all_aligned, int_class
+from .modes import STATS_SYNC_SLOTS, dtype_of, get_mode
 from .qk_kernels import ROUND_BF16, ROUND_FP16, ROUND_FP32, qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 
 # The widest row one tile holds, in padded elements (``qk_row_tile``): 64 heads of 128 (OLMo 2's and OLMo 3's
@@ -89,6 +90,7 @@ def qk_plan(head_dim: int, rotary_dim: int, q_heads_in_row: int, k_heads_in_row:
     return QKPlan(q_block_m, k_block_m, q_tile, k_tile, max(4, min(16, elements // 512)))
 
 
+@functools.lru_cache(maxsize=None)  # torch.promote_types is an aten op, dispatched on every call
 def qk_output_dtype(norm_dtype: torch.dtype, cos_dtype: torch.dtype) -> torch.dtype:
     """The dtype eager's ``n * cos + rotate_half(n) * sin`` returns for a norm output of ``norm_dtype``."""
     return torch.promote_types(norm_dtype, cos_dtype)
@@ -114,6 +116,83 @@ def _heads_in_row(t: torch.Tensor, per_head: bool) -> int:
     return 1 if per_head else int(t.shape[2])
 
 
+class QKForwardLaunch:
+    """The forward kernel's launch for one combination of dtypes (None: an absent weight), head layout, mode and
+    flags: the output dtypes, the plan and the constexprs, worked out once by ``qk_forward_launch``, and the launch
+    itself (calling it). Its identity keys its launches in the launcher's cache (``fast_launch.CachedLauncher``'s
+    key by plan): it fixes every tensor's dtype (``sin``'s is ``cos``'s: ``checks.check_qk_norm_rope``), which
+    pointers are None, the constexprs and ``num_warps``."""
+
+    __slots__ = ("q_out_dtype", "k_out_dtype", "plan", "constexprs", "store_stats")
+
+    def __init__(self, q_dtype: torch.dtype, k_dtype: torch.dtype, q_weight_dtype: torch.dtype | None,
+                 k_weight_dtype: torch.dtype | None, cos_dtype: torch.dtype, head_dim: int, rotary_dim: int,
+                 q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool) -> None:
+        m = get_mode(mode)
+        q_norm_dtype = m.output_dtype_of(q_dtype, q_weight_dtype, None)
+        k_norm_dtype = m.output_dtype_of(k_dtype, k_weight_dtype, None)
+        self.q_out_dtype = qk_output_dtype(q_norm_dtype, cos_dtype)
+        self.k_out_dtype = qk_output_dtype(k_norm_dtype, cos_dtype)
+        self.plan = qk_plan(head_dim, rotary_dim, 1 if per_head else q_heads, 1 if per_head else k_heads)
+        self.store_stats = store_stats
+        self.constexprs = dict(
+            HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,
+            HAS_Q_WEIGHT=q_weight_dtype is not None, HAS_K_WEIGHT=k_weight_dtype is not None,
+            CAST_BEFORE_WEIGHT=m.cast_before_weight, WEIGHT_OFFSET=m.weight_offset,
+            Q_NORM_ROUND=_ROUND_CODES[q_norm_dtype], K_NORM_ROUND=_ROUND_CODES[k_norm_dtype],
+            **self.plan.constexprs(), STORE_STATS=store_stats)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
+                 k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
+                 per_head: bool, traced_kernel: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``qk_norm_rope_forward`` on arguments of this launch's combination. ``traced_kernel``: while torch.compile
+        traces, ``wrap_triton(qk_norm_rope_fwd_kernel)``, which records the launch in the graph
+        (``qk_norm_rope_forward`` spells it out: see ``launch._launch``)."""
+        (qb, qt, qh, qd), (kb, kt, kh, kd) = q.stride(), k.stride()
+        if qd != 1 or kd != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:  # the kernel loads along the last dims
+            q, k, cos, sin = q.contiguous(), k.contiguous(), cos.contiguous(), sin.contiguous()
+            (qb, qt, qh, _), (kb, kt, kh, _) = q.stride(), k.stride()
+        q_out = q.new_empty(q.shape, dtype=self.q_out_dtype)
+        k_out = k.new_empty(k.shape, dtype=self.k_out_dtype)
+        q_rows, k_rows = qk_rows(q, per_head), qk_rows(k, per_head)  # symbolic while torch.compile traces: rows vary
+        stats = (torch.empty(qk_stats_shape(q, k, per_head), dtype=torch.float32, device=q.device)
+                 if self.store_stats else None)
+        plan = self.plan
+        grid = cdiv(q_rows, plan.q_block_m) + cdiv(k_rows, plan.k_block_m)
+        if grid == 0:
+            return q_out, k_out, stats
+        q_weight, k_weight = _contiguous(q_weight), _contiguous(k_weight)
+        (qob, qot, qoh, _), (kob, kot, koh, _) = q_out.stride(), k_out.stride()
+        (cb, ct), (sb, st) = _trig_strides(cos), _trig_strides(sin)
+        tokens = q.shape[1]
+        args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, stats, q_rows, k_rows, q.shape[2], k.shape[2], tokens,
+                qb, qt, qh, kb, kt, kh, qob, qot, qoh, kob, kot, koh, cb, ct, sb, st, q_eps, k_eps)
+        if traced_kernel is not None:
+            norm_launch._launch(traced_kernel, grid, args, self.constexprs, plan.num_warps)
+            return q_out, k_out, stats
+        # The launcher's key by plan: this launch fixes the dtypes, the None pointers, the constexprs, the warps, the
+        # head counts and head_dim (so the outputs' token and head strides); per call there remain the pointers'
+        # alignment (unaligned ones, and an eps other than a float, take the key by arguments), the classes of the
+        # integers that follow the token count, and the inputs' token and head strides, exact (a model repeats one
+        # layout).
+        by_plan = type(q_eps) is float and type(k_eps) is float and all_aligned(q, k, q_weight, k_weight, cos, sin,
+                                                                                 q_out, k_out, stats)
+        varying = (tuple(map(int_class, (q_rows, k_rows, tokens, qb, kb, qob, kob, cb, sb))), qt, qh, kt, kh, ct, st)
+        norm_launch._launch(qk_norm_rope_fwd_kernel, grid, args, self.constexprs, plan.num_warps,
+                            self if by_plan else None, varying)
+        return q_out, k_out, stats
+
+
+@functools.lru_cache(maxsize=None)
+def qk_forward_launch(q_dtype: torch.dtype, k_dtype: torch.dtype, q_weight_dtype: torch.dtype | None,
+                      k_weight_dtype: torch.dtype | None, cos_dtype: torch.dtype, head_dim: int, rotary_dim: int,
+                      q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool) -> QKForwardLaunch:
+    """The ``QKForwardLaunch`` of one combination: a pure function of its arguments, cached (decode repeats a
+    handful and is host-bound; the launcher's cache keys on the launch's identity)."""
+    return QKForwardLaunch(q_dtype, k_dtype, q_weight_dtype, k_weight_dtype, cos_dtype, head_dim, rotary_dim,
+                           q_heads, k_heads, per_head, mode, store_stats)
+
+
 def qk_norm_rope_forward(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float, mode: str, per_head: bool,
@@ -122,31 +201,11 @@ def qk_norm_rope_forward(
     """Runs the forward kernel on arguments ``checks.check_qk_norm_rope`` passed. Returns ``(q_out, k_out,
     stats)``: the outputs ``[batch, tokens, heads, head_dim]``, contiguous, and the statistics (None unless
     ``store_stats``): the counters, then fp32 ``rstd`` of q's rows and of k's."""
-    m = get_mode(mode)
-    head_dim, rotary_dim = int(q.shape[3]), int(cos.shape[2])
-    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
-    q_norm_dtype = m.output_dtype(q.dtype, q_weight, None)
-    k_norm_dtype = m.output_dtype(k.dtype, k_weight, None)
-    q_out = q.new_empty(q.shape, dtype=qk_output_dtype(q_norm_dtype, cos.dtype))
-    k_out = k.new_empty(k.shape, dtype=qk_output_dtype(k_norm_dtype, cos.dtype))
-    q_rows, k_rows = qk_rows(q, per_head), qk_rows(k, per_head)  # symbolic while torch.compile traces: rows vary
-    stats = torch.empty(qk_stats_shape(q, k, per_head), dtype=torch.float32, device=q.device) if store_stats else None
-    plan = qk_plan(head_dim, rotary_dim, _heads_in_row(q, per_head), _heads_in_row(k, per_head))
-    grid = cdiv(q_rows, plan.q_block_m) + cdiv(k_rows, plan.k_block_m)
-    if grid == 0:
-        return q_out, k_out, stats
-    args = (q, k, _contiguous(q_weight), _contiguous(k_weight), cos, sin, q_out, k_out, stats,
-            q_rows, k_rows, int(q.shape[2]), int(k.shape[2]), q.shape[1],
-            *_strides(q), *_strides(k), *_strides(q_out), *_strides(k_out), *_trig_strides(cos), *_trig_strides(sin),
-            q_eps, k_eps)
-    constexprs = dict(HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,
-                      HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
-                      CAST_BEFORE_WEIGHT=m.cast_before_weight, WEIGHT_OFFSET=m.weight_offset,
-                      Q_NORM_ROUND=_ROUND_CODES[q_norm_dtype], K_NORM_ROUND=_ROUND_CODES[k_norm_dtype],
-                      **plan.constexprs(), STORE_STATS=store_stats)
-    norm_launch._launch(wrap_triton(qk_norm_rope_fwd_kernel) if is_traced(q) else qk_norm_rope_fwd_kernel,
-                        grid, args, constexprs, plan.num_warps)
-    return q_out, k_out, stats
+    launch = qk_forward_launch(q.dtype, k.dtype, dtype_of(q_weight), dtype_of(k_weight), cos.dtype, int(q.shape[3]),
+                               int(cos.shape[2]), int(q.shape[2]), int(k.shape[2]), per_head, mode, store_stats)
+    if type(q) is not torch.Tensor and is_traced(q):  # the type test first: it is 20 times cheaper
+        return launch(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, per_head, wrap_triton(qk_norm_rope_fwd_kernel))
+    return launch(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, per_head)
 
 
 def qk_norm_rope_backward(
