@@ -522,3 +522,45 @@ def test_offline_build_spills_within_the_budget_with_128_bit_loads(tmp_path):
         ("qk_norm_rope_bwd_kernel", "qk-whole-bwd", 4096)}
     for r in records:
         assert r["spill_bytes"] <= kernel_inspect.MAX_SPILL_BYTES and r["vector_bits"] == 128, r
+
+
+def test_equal_launch_keys_mean_equal_triton_specialisations(monkeypatch):
+    """The cached launcher's key by plan (``QKForwardLaunch``), over calls differing in token and batch counts,
+    strides (a fused projection's view, contiguous tensors), alignment and cos's batch: whenever two calls get the
+    same key, Triton's own binder specialises them identically, so a cached kernel is the one Triton would pick."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    from hf_rmsnorm.ops import backend, launch
+    from hf_rmsnorm.ops.qk_kernels import qk_norm_rope_fwd_kernel
+
+    if not backend.triton_at_least(3, 5):
+        pytest.skip("before Triton 3.5 the binder differs and the cached launch path is off")
+    kernel = JITFunction(qk_norm_rope_fwd_kernel.fn, do_not_specialize=row_count_args(qk_norm_rope_fwd_kernel.fn))
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    launches = []
+    monkeypatch.setattr(launch, "_launch", lambda *args: launches.append(args))
+    family = FAMILIES["qwen3"]
+    seen: dict[tuple, str] = {}
+    unaligned = False
+    # head_dim 72: strides that are not multiples of 16 elements (which Triton notes), cos's too at 17 tokens.
+    for batch, tokens, head_dim, fused, offset, cos_batch in [
+        (b, t, d, f, o, c) for b in (1, 3) for t in (1, 16, 17) for d in (64, 72) for f in (True, False)
+        for o in (0, 1, 8) for c in (1, b)
+    ]:
+        q, k, q_weight, k_weight, cos, sin = _inputs(family, torch.bfloat16, batch, tokens, 4, 2, head_dim, head_dim,
+                                                     seed=3, cos_batch=cos_batch)
+        if not fused:
+            q, k = q.contiguous(), k.contiguous()
+        if offset:  # 8 elements (16 bytes) into a buffer: aligned elsewhere; 1 element in: unaligned
+            q = torch.empty(q.numel() + offset, dtype=q.dtype)[offset:].view(q.shape)
+        with torch.no_grad():
+            qk_norm_rope(q, k, q_weight, k_weight, cos, sin, EPS)
+        _, _, args, constexprs, _, plan, varying = launches.pop()
+        if plan is None:
+            unaligned = True  # unaligned pointers take the key by arguments
+            continue
+        spec = repr(binder(*args, **constexprs)[1])
+        assert seen.setdefault((id(plan), varying), spec) == spec
+    assert len(seen) > 1 and len(set(seen.values())) > 1 and unaligned
