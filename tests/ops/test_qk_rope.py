@@ -18,7 +18,7 @@ from transformers.models.glm4_moe import modeling_glm4_moe
 from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.qwen3 import modeling_qwen3
 
-from harness import kernel_inspect
+from harness import byte_traffic, kernel_inspect
 from hf_rmsnorm import qk_norm_rope
 from hf_rmsnorm.ops import qk_launch, reference
 from hf_rmsnorm.ops.backend import kernels_interpreted
@@ -563,3 +563,15 @@ def test_equal_launch_keys_mean_equal_triton_specialisations(monkeypatch):
         spec = repr(binder(*args, **constexprs)[1])
         assert seen.setdefault((id(plan), varying), spec) == spec
     assert len(seen) > 1 and len(set(seen.values())) > 1 and unaligned
+
+
+@pytest.mark.parametrize("variant", ["qk-infer", "qk-fwd", "qk-bwd"])
+def test_the_kernels_move_the_minimum_bytes(variant):
+    """Counted in the interpreter (harness/byte_traffic.py): each element of q and k is read once and written once
+    (forward), the gradient, the input and the input gradient once each (backward); a token's cos and sin, read by
+    each of its heads, come from the caches. Only the per-row fp32 rstd is over the minimum."""
+    if not kernels_interpreted():
+        pytest.skip("counts the interpreter's accesses")
+    record = byte_traffic.measure_variant(variant, 128, "bf16")
+    assert record.per_row_ratio <= 1.01, record
+    assert record.kernels == ["qk_norm_rope_bwd_kernel" if variant == "qk-bwd" else "qk_norm_rope_fwd_kernel"]
