@@ -347,23 +347,10 @@ def default_rows(hidden: int, variant: str = "fwd") -> int:
 def _min_bytes(variant: str, rows: int, hidden: int, dtype: torch.dtype) -> int:
     phase = "bwd" if variant.startswith("bwd") or variant == "qk-bwd" else "fwd"
     if variant in QK_VARIANTS:
-        return qk_min_traffic_bytes(phase, rows, QK_Q_HEADS + QK_K_HEADS, hidden, hidden, dtype.itemsize,
-                                    dtype.itemsize)
+        return kernel_bench.qk_min_traffic_bytes(phase, rows, QK_Q_HEADS + QK_K_HEADS, hidden, hidden, dtype.itemsize,
+                                                 dtype.itemsize)
     has_residual = "res" in variant or "dsum" in variant
     return kernel_bench.min_traffic_bytes(phase, rows, hidden, dtype.itemsize, dtype.itemsize, residual=has_residual)
-
-
-def qk_min_traffic_bytes(phase: str, tokens: int, heads: int, head_dim: int, rotary_dim: int, act_bytes: int,
-                         weight_bytes: int) -> int:
-    """Bytes ``qk_norm_rope`` must move at the least on ``tokens`` tokens of ``heads`` q and k heads in all, per-head
-    norms. Forward: read q and k, write their outputs, read ``cos`` and ``sin`` once per token and both weights.
-    Backward: read the outputs' gradients and q and k, write their gradients, read ``cos``, ``sin`` and the weights
-    and write the weights' gradients. The per-row fp32 ``rstd`` is left out, as in ``kernel_bench``."""
-    elements = tokens * heads * head_dim
-    trig = 2 * tokens * rotary_dim * act_bytes
-    if phase == "fwd":
-        return 2 * elements * act_bytes + trig + 2 * head_dim * weight_bytes
-    return 3 * elements * act_bytes + trig + 4 * head_dim * weight_bytes
 
 
 def measure_variant(variant: str, hidden: int, dtype_name: str, mode: str = "llama",
