@@ -70,6 +70,15 @@ def _block_rows(block, n_rows, heads, tokens, PER_HEAD: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
+def _row_geometry(heads, HEAD_DIM: tl.constexpr, PER_HEAD: tl.constexpr):
+    """``(heads_in_row, width)`` of a tensor of ``heads`` heads: a norm row's heads (1 per head) and its elements,
+    the norm's width and its weight's."""
+    if PER_HEAD:
+        return 1, HEAD_DIM
+    return heads, heads * HEAD_DIM
+
+
+@triton.jit
 def _tile_offsets(b, t, head, stride_b, stride_t, stride_h, first, BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr):
     """Offsets of the ``[BLOCK_M, HEADS_BLOCK, BLOCK]`` tile of columns ``first ..`` of each head, in a ``[batch,
     tokens, heads, head_dim]`` tensor of these strides (unit last stride): the heads of the middle axis follow
@@ -202,12 +211,7 @@ def _norm_rope_block(
     X_DTYPE: tl.constexpr = X.dtype.element_ty
     OUT_DTYPE: tl.constexpr = OUT.dtype.element_ty
     rows, row_mask, b, t, head = _block_rows(block, n_rows, heads, tokens, PER_HEAD, BLOCK_M)
-    if PER_HEAD:
-        heads_in_row = 1
-        width = HEAD_DIM
-    else:
-        heads_in_row = heads
-        width = heads * HEAD_DIM
+    heads_in_row, width = _row_geometry(heads, HEAD_DIM, PER_HEAD)
     half_mask = _tile_mask(row_mask, heads_in_row, HALF, HALF_BLOCK, HEADS_BLOCK)
     x1 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, 0, HALF_BLOCK, HEADS_BLOCK),
                  mask=half_mask, other=0.0).to(tl.float32)
@@ -278,12 +282,8 @@ def qk_norm_rope_bwd_kernel(
               stride_dkh, stride_cb, stride_ct, stride_sb, stride_st,
               HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_K_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
               K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK)
-    if PER_HEAD:
-        q_width = HEAD_DIM
-        k_width = HEAD_DIM
-    else:
-        q_width = q_heads * HEAD_DIM
-        k_width = k_heads * HEAD_DIM
+    _, q_width = _row_geometry(q_heads, HEAD_DIM, PER_HEAD)
+    _, k_width = _row_geometry(k_heads, HEAD_DIM, PER_HEAD)
     sum_partials_once_written(counters, DQW_PARTIAL, DKW_PARTIAL, DQW, DKW, n_programs, q_width, k_width,
                               HAS_Q_WEIGHT, HAS_K_WEIGHT)
 
@@ -302,12 +302,7 @@ def _rows_bwd(
     weight gradient accumulates over the rows in fp32 tiles, folded once at the end."""
     HALF: tl.constexpr = ROTARY_DIM // 2
     PASS: tl.constexpr = HEAD_DIM - ROTARY_DIM
-    if PER_HEAD:
-        heads_in_row = 1
-        width = HEAD_DIM
-    else:
-        heads_in_row = heads
-        width = heads * HEAD_DIM
+    heads_in_row, width = _row_geometry(heads, HEAD_DIM, PER_HEAD)
     w1 = _weight_tile(W, heads_in_row, 0, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
     w2 = _weight_tile(W, heads_in_row, HALF, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
     wp = _weight_tile(W, heads_in_row, ROTARY_DIM, PASS, PASS_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT,
