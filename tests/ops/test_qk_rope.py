@@ -23,6 +23,7 @@ from hf_rmsnorm import qk_norm_rope
 from hf_rmsnorm.ops import qk_launch, reference
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.ops.kernels import row_count_args
+from hf_rmsnorm.tools.norm_outputs import ulp_distance
 
 pytestmark = pytest.mark.skipif(
     not kernels_interpreted() and not torch.cuda.is_available(), reason="kernels need a GPU or Triton's interpreter"
@@ -329,6 +330,24 @@ def test_backward_is_deterministic_and_leaves_the_statistics_as_it_found_them():
     second = torch.autograd.grad(out, leaves, grad_outputs)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def test_backward_programs_share_the_rows_and_sum_their_partials(monkeypatch):
+    """The persistent backward with more row blocks than programs (5 of q, one of k: two programs without k rows,
+    which write zero partial rows) gives the gradients of one program per row block: the input gradients bitwise
+    (a row's maths does not depend on its program), the weight gradients within fp32 summation order; and as
+    accurate as eager autograd."""
+    from hf_rmsnorm.ops import launch
+
+    family, leaves, cos, sin, grad_outputs = _backward_case("qwen3", torch.bfloat16, (1, 5, 32, 2, 128, 128), seed=47)
+    few = _grads(_ours(family, *leaves, cos, sin), leaves, grad_outputs)  # launch.INTERPRET_PROGRAMS: 3
+    monkeypatch.setattr(launch, "INTERPRET_PROGRAMS", 1000)
+    many = _grads(_ours(family, *leaves, cos, sin), leaves, grad_outputs)
+    assert torch.equal(few[0], many[0]) and torch.equal(few[1], many[1])
+    for a, b in zip(few[2:], many[2:]):  # fp32 sums in another order, rounded once to bf16: an ulp apart at most
+        assert ulp_distance(a, b).max() <= 1
+    _assert_no_less_accurate(few, _eager_grads(family, leaves, cos, sin, grad_outputs),
+                             _exact_grads(family, leaves, cos, sin, grad_outputs))
 
 
 def test_backward_with_one_output_unused():
