@@ -47,11 +47,17 @@ import torch
 
 from hf_rmsnorm.ops import backend
 from . import kernel_bench
+from .kernel_inspect import QK_K_HEADS, QK_Q_HEADS
 
 # Calls whose kernels are counted, named as kernel_inspect names the launches they make: "infer" a forward without
 # autograd, "fwd" with it (it also writes the statistics), "bwd" the backward alone; "+res" with the residual add,
 # "+dsum" the backward of a fused add, "+bias" with a bias.
-VARIANTS = ("infer", "infer+res", "fwd", "fwd+res", "fwd+bias", "fwd+res+bias", "bwd", "bwd+dsum", "bwd+dsum+bias")
+# The q/k norms fused with the RoPE (qk_norm_rope), as kernel_inspect names them: per-head norms over heads of
+# ``hidden`` with Qwen3-8B's query and key head counts, ``cos``/``sin`` of ``hidden`` columns; their rows are tokens,
+# their bytes per element per element of a token's q and k.
+QK_VARIANTS = ("qk-infer", "qk-fwd", "qk-bwd")
+VARIANTS = ("infer", "infer+res", "fwd", "fwd+res", "fwd+bias", "fwd+res+bias", "bwd", "bwd+dsum", "bwd+dsum+bias",
+            *QK_VARIANTS)
 DEFAULT_VARIANTS = ("infer", "infer+res", "bwd", "bwd+dsum")
 DEFAULT_HIDDEN = (1024, 4096, 8192, 16384, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -239,12 +245,46 @@ def _inputs(variant: str, rows: int, hidden: int, dtype: torch.dtype) -> dict[st
             "dy": randn(rows, hidden), "dsum": randn(rows, hidden) if has_residual else None}
 
 
+def _count_qk_call(variant: str, tokens: int, head_dim: int, dtype: torch.dtype, mode: str) -> TrafficCounter:
+    """``count_call`` for the q/k variants (``QK_VARIANTS``): ``qk_norm_rope`` on ``tokens`` tokens. The weights
+    and ``cos``/``sin`` (a token's, read by each of its heads: from the caches on a GPU) are counted once per call by
+    their touched bytes."""
+    from hf_rmsnorm.ops.qk import qk_norm_rope
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k = randn(1, tokens, QK_Q_HEADS, head_dim), randn(1, tokens, QK_K_HEADS, head_dim)
+    q_weight, k_weight = 1.0 + 0.1 * randn(head_dim), 1.0 + 0.1 * randn(head_dim)  # trained-like, never all ones
+    cos, sin = randn(1, tokens, head_dim), randn(1, tokens, head_dim)
+    counter = TrafficCounter(frozenset(t.data_ptr() for t in (q_weight, k_weight, cos, sin)))
+    training = variant != "qk-infer"
+    leaves = [t.requires_grad_(training) for t in (q, k, q_weight, k_weight)]
+
+    def forward() -> tuple[torch.Tensor, ...]:
+        return qk_norm_rope(q, k, q_weight, k_weight, cos, sin, EPS, mode=mode)
+
+    if variant != "qk-bwd":
+        with torch.set_grad_enabled(training), counter.counting():
+            forward()
+        return counter
+    outputs = forward()
+    grads = tuple(randn(*t.shape) for t in outputs)
+    with counter.counting():
+        torch.autograd.grad(outputs, leaves, grads)
+    return counter
+
+
 def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: str) -> TrafficCounter:
     """Runs one call of ``variant`` (one of ``VARIANTS``) on ``rows x hidden`` and returns the
     counter of its kernels' traffic: the forward's (``infer*`` without autograd, ``fwd*`` with it) or, for
     ``bwd*``, the backward's alone (its forward runs first, uncounted)."""
     from hf_rmsnorm.ops.functional import fused_add_norm, norm  # any mode, the LayerNorm one included
 
+    if variant in QK_VARIANTS:
+        return _count_qk_call(variant, rows, hidden, dtype, mode)
     t = _inputs(variant, rows, hidden, dtype)
     x, residual, weight, bias = t["x"], t["residual"], t["weight"], t["bias"]
     counter = TrafficCounter(frozenset(p.data_ptr() for p in (weight, bias) if p is not None))
@@ -294,13 +334,21 @@ class TrafficRecord:
     cached_reads: dict[str, float]
 
 
-def default_rows(hidden: int) -> int:
+def row_elements(variant: str, hidden: int) -> int:
+    """Elements of one row of ``variant`` at this width: ``hidden``; a token's q and k heads for the q/k variants."""
+    return (QK_Q_HEADS + QK_K_HEADS) * hidden if variant in QK_VARIANTS else hidden
+
+
+def default_rows(hidden: int, variant: str = "fwd") -> int:
     """Rows of the smaller of the two runs of a variant at this width."""
-    return max(MIN_ROWS, TARGET_ELEMENTS // hidden)
+    return max(MIN_ROWS, TARGET_ELEMENTS // row_elements(variant, hidden))
 
 
 def _min_bytes(variant: str, rows: int, hidden: int, dtype: torch.dtype) -> int:
-    phase = "bwd" if variant.startswith("bwd") else "fwd"
+    phase = "bwd" if variant.startswith("bwd") or variant == "qk-bwd" else "fwd"
+    if variant in QK_VARIANTS:
+        return kernel_bench.qk_min_traffic_bytes(phase, rows, QK_Q_HEADS + QK_K_HEADS, hidden, hidden, dtype.itemsize,
+                                                 dtype.itemsize)
     has_residual = "res" in variant or "dsum" in variant
     return kernel_bench.min_traffic_bytes(phase, rows, hidden, dtype.itemsize, dtype.itemsize, residual=has_residual)
 
@@ -314,15 +362,16 @@ def measure_variant(variant: str, hidden: int, dtype_name: str, mode: str = "lla
         UncountedAccess: a kernel touched memory outside its tensor arguments.
     """
     dtype = DTYPES[dtype_name]
-    rows = default_rows(hidden) if rows is None else rows
+    rows = default_rows(hidden, variant) if rows is None else rows
+    elements = row_elements(variant, hidden)
     small, large = (count_call(variant, n, hidden, dtype, mode) for n in (rows, 2 * rows))
     kernels = sorted({launch.kernel for launch in (*small.launches, *large.launches)})
     # Arguments named with their kernel where several ran (the wide backward's row reductions, then its columns).
     small_bytes, large_bytes = (counter.bytes_by_tensor(len(kernels) > 1) for counter in (small, large))
     min_small, min_large = (_min_bytes(variant, n, hidden, dtype) for n in (rows, 2 * rows))
-    per_row = {name: (large_bytes.get(name, 0) - small_bytes.get(name, 0)) / rows / hidden
+    per_row = {name: (large_bytes.get(name, 0) - small_bytes.get(name, 0)) / rows / elements
                for name in sorted(set(small_bytes) | set(large_bytes))}
-    min_per_element = (min_large - min_small) / rows / hidden
+    min_per_element = (min_large - min_small) / rows / elements
     call_bytes = sum(large_bytes.values())
     if call_bytes < min_large:
         raise UncountedAccess(f"{variant} at hidden {hidden}: counted {call_bytes} bytes, under the minimum "

@@ -225,6 +225,15 @@ SECTIONS: tuple[Section, ...] = (
              "decode_tokens": size("16", "2")}),
     _generate("prefill-1b", "third", "generate(), llama-3.2-1b-shape, bf16, batch 1, 2048-token prompt, 4 new "
               "tokens", 80, "llama-3.2-1b-shape", prompt_len=2048, new_tokens=4),
+    # The q/k norms fused with the RoPE (qk_norm_rope) against an unpatched Qwen3 attention's norms and RoPE.
+    Section("kernels-qk", "third", "q/k norms + RoPE bandwidth (qk_norm_rope against Qwen3's eager modules and "
+            "F.rms_norm, each with the eager RoPE), bf16, Qwen3-8B's 32 + 8 heads of 128, 1-16384 tokens, forward "
+            "and backward", 90,
+            ("{py}", "scripts/bench_qk.py", "--dtype", "bf16", "--json", "{work}/kernels-qk.json", "--tokens",
+             "{tokens}", "--warmup", "{warmup}", "--repeats", "{repeats}", "{dry_run}"),
+            {"tokens": size(("1", "16", "4096", "16384"), "4"), "warmup": size("5", "1"), "repeats": size("20", "2"),
+             "dry_run": SCRIPT_DRY_RUN},
+            ("kernels-qk.json",)),
     # fourth: compiled generation at 8B, and the comparisons measured before.
     _generate("generate-8b-compiled", "fourth", "generate() compiled (static cache, CUDA graphs), llama-3-8b-shape, "
               "bf16, batch 1, 128-token prompt, 256 new tokens", 300, "llama-3-8b-shape", compiled=True),

@@ -51,9 +51,10 @@ class SuiteRun:
 
 
 # hf_rmsnorm_wide is the A/B's other side: the speedup over it is the single-tile backward's.
-KERNEL_BASELINES = ("hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm")
+KERNEL_BASELINES = ("hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm",
+                    "hf_eager_qk", "torch_rms_norm_qk")
 # This package's implementations, each reported in rows of its own.
-OURS = ("hf_rmsnorm", "hf_layernorm")
+OURS = ("hf_rmsnorm", "hf_layernorm", "hf_qk_rope")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.
 LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # Training sections come in pairs, "<pair>-patched" and "<pair>-unpatched", compared with each other, and

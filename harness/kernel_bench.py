@@ -111,6 +111,19 @@ def min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[phase]
 
 
+def qk_min_traffic_bytes(phase: str, tokens: int, heads: int, head_dim: int, rotary_dim: int, act_bytes: int,
+                         weight_bytes: int) -> int:
+    """Bytes ``qk_norm_rope`` must move at the least on ``tokens`` tokens of ``heads`` q and k heads in all, per-head
+    norms. Forward: read q and k, write their outputs, read ``cos`` and ``sin`` once per token and both weights.
+    Backward: read the outputs' gradients and q and k, write their gradients, read ``cos``, ``sin`` and the weights
+    and write the weights' gradients. The per-row fp32 ``rstd`` is left out, as in ``min_traffic_bytes``."""
+    elements = tokens * heads * head_dim
+    trig = 2 * tokens * rotary_dim * act_bytes
+    if phase == "fwd":
+        return 2 * elements * act_bytes + trig + 2 * head_dim * weight_bytes
+    return 3 * elements * act_bytes + trig + 4 * head_dim * weight_bytes
+
+
 def copy_traffic_bytes(nbytes: int) -> int:
     """A device-to-device copy of ``nbytes`` reads and writes each byte once."""
     return 2 * nbytes
@@ -149,9 +162,11 @@ class Result:
 
 
 def make_result(impl: str, phase: str, rows: int, hidden: int, dtype: str, seconds: float, call_seconds: float,
-                act_bytes: int, weight_bytes: int, copy_gbps: float, cuda_graph: bool) -> Result:
-    """A successful measurement with both figures' bandwidth and fraction of the copy bandwidth."""
-    nbytes = min_traffic_bytes(phase, rows, hidden, act_bytes, weight_bytes)
+                act_bytes: int, weight_bytes: int, copy_gbps: float, cuda_graph: bool,
+                traffic_bytes: int | None = None) -> Result:
+    """A successful measurement with both figures' bandwidth and fraction of the copy bandwidth, against
+    ``traffic_bytes`` (default: the fused add + norm's ``min_traffic_bytes``)."""
+    nbytes = min_traffic_bytes(phase, rows, hidden, act_bytes, weight_bytes) if traffic_bytes is None else traffic_bytes
     achieved, call_achieved = gbps(nbytes, seconds), gbps(nbytes, call_seconds)
     return Result(impl, phase, rows, hidden, dtype, "ok", seconds, nbytes, achieved, achieved / copy_gbps, cuda_graph,
                   call_seconds, call_achieved, call_achieved / copy_gbps)
@@ -411,11 +426,10 @@ def failure_status(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {exc}"[:200]
 
 
-def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor], settings: Settings) -> Result:
-    """Times one implementation and phase on one shape, eager call first, then the kernels (graph replay); a
-    failure becomes the result's status, saying which of the two failed."""
-    rows, hidden = inputs["x"].shape
-    make_fn = functools.partial(phase_callable, impl, phase, inputs)
+def time_call_and_kernels(make_fn: Callable[[], Callable[[], Any]], settings: Settings) -> tuple[float, float] | str:
+    """``(call seconds, kernel seconds)`` of the run ``make_fn()`` returns: the eager call first, then the kernels
+    (graph replay); or, where one of the two fails, a result status saying which and why (one failing
+    implementation must not end a long run)."""
     timing = functools.partial(time_callable, clock=settings.clock, flush=settings.flush, warmup=settings.warmup,
                                repeats=settings.repeats)
     what = "call"
@@ -424,11 +438,20 @@ def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor
         # The call's tensors are gone: a graph allocates from its own pool, which cannot reuse their cached memory.
         release_cached_memory(settings.device)
         what = "kernels (CUDA graph)" if settings.cuda_graphs else "kernels"
-        seconds = timing(settings.capture(make_fn))
-    except Exception as exc:  # one failing implementation must not end a long run; the reason is kept
+        return call_seconds, timing(settings.capture(make_fn))
+    except Exception as exc:
         status = failure_status(exc)
-        return Result(name, phase, rows, hidden, settings.dtype_name,
-                      status if status == "oom" else f"{what}: {status}"[:200])
+        return status if status == "oom" else f"{what}: {status}"[:200]
+
+
+def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor], settings: Settings) -> Result:
+    """Times one implementation and phase on one shape (``time_call_and_kernels``); a failure becomes the result's
+    status."""
+    rows, hidden = inputs["x"].shape
+    timed = time_call_and_kernels(functools.partial(phase_callable, impl, phase, inputs), settings)
+    if isinstance(timed, str):
+        return Result(name, phase, rows, hidden, settings.dtype_name, timed)
+    call_seconds, seconds = timed
     return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, call_seconds,
                        inputs["x"].dtype.itemsize, impl.weight.dtype.itemsize, settings.copy_gbps,
                        settings.cuda_graphs)

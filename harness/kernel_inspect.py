@@ -46,8 +46,14 @@ SM_COUNTS = {"sm_80": 108, "sm_90": 132}
 # "infer": a forward without autograd, which skips the statistics only the backward reads. "bwd-dot": the row
 # reductions that come first in the backward of rows wider than one tile (row_dot_kernel; the "bwd" variants are
 # then column_bwd_kernel), not launched for narrower rows.
+# The fused q/k norms + RoPE (qk_kernels.py), "qk" variants: per-head norms over heads of ``hidden`` (head_dim =
+# hidden) with Qwen3-8B's QK_Q_HEADS query and QK_K_HEADS key heads; "qk-whole" variants: norms over the whole
+# projection (OLMo 2's), hidden // QK_HEAD_DIM heads of QK_HEAD_DIM for both q and k; "rows" counts tokens. Widths
+# these kernels do not take (odd head dims, rows wider than their tile) make no launch.
+QK_VARIANTS = ("qk-fwd", "qk-infer", "qk-bwd", "qk-whole-fwd", "qk-whole-bwd")
+QK_Q_HEADS, QK_K_HEADS, QK_HEAD_DIM = 32, 8, 128
 VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias",
-            "bwd-dot")
+            "bwd-dot", *QK_VARIANTS)
 # The most a variant may spill, in bytes a thread (issue 28): a few reloads per row. The plans send a backward
 # whose single tile would spill more to the wide kernels (launch.bwd_max_tile_n).
 MAX_SPILL_BYTES = 64
@@ -210,6 +216,57 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     return launch.norm_bwd_kernel, args, kwargs
 
 
+def capture_qk_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str) -> tuple[Any, tuple, dict] | None:
+    """``capture_launch`` for the q/k norm + RoPE variants (``QK_VARIANTS``): qk_launch.py's own host code on meta
+    tensors, the kernels swapped for recorders (the backward after its forward); None where the variant makes no
+    launch (a centring mode, a width the kernels do not take)."""
+    import torch
+
+    from hf_rmsnorm.ops import checks, qk_launch
+
+    per_head = not variant.startswith("qk-whole")
+    if per_head:
+        head_dim, q_heads, k_heads = hidden, QK_Q_HEADS, QK_K_HEADS
+    elif hidden % QK_HEAD_DIM:
+        return None
+    else:
+        head_dim, q_heads, k_heads = QK_HEAD_DIM, hidden // QK_HEAD_DIM, hidden // QK_HEAD_DIM
+    q = torch.empty(1, rows, q_heads, head_dim, dtype=dtype, device="meta")
+    k = torch.empty(1, rows, k_heads, head_dim, dtype=dtype, device="meta")
+    q_weight = torch.empty(head_dim if per_head else q_heads * head_dim, dtype=dtype, device="meta")
+    k_weight = torch.empty(head_dim if per_head else k_heads * head_dim, dtype=dtype, device="meta")
+    cos = torch.empty(1, rows, head_dim, dtype=dtype, device="meta")
+    try:
+        checks.check_qk_norm_rope(q, k, q_weight, k_weight, cos, cos, 1e-6, 1e-6, mode, per_head)
+    except ValueError:
+        return None
+    fwd, bwd = _LaunchRecorder(), _LaunchRecorder()
+    with (mock.patch.object(qk_launch, "qk_norm_rope_fwd_kernel", fwd),
+          mock.patch.object(qk_launch, "qk_norm_rope_bwd_kernel", bwd)):
+        q_out, k_out, stats = qk_launch.qk_norm_rope_forward(q, k, q_weight, k_weight, cos, cos, 1e-6, 1e-6, mode,
+                                                             per_head, store_stats=variant != "qk-infer")
+        if variant.endswith("bwd"):
+            qk_launch.qk_norm_rope_backward(torch.empty_like(q_out), torch.empty_like(k_out), q, k, q_weight, k_weight,
+                                            cos, cos, stats, mode, per_head)
+    if variant.endswith("bwd"):
+        (args, kwargs), = bwd.calls
+        return qk_launch.qk_norm_rope_bwd_kernel, args, kwargs
+    (args, kwargs), = fwd.calls
+    return qk_launch.qk_norm_rope_fwd_kernel, args, kwargs
+
+
+def _tile(kernel_name: str, kwargs: dict) -> dict[str, Any]:
+    """The record's tile fields from a launch's constexprs: a q/k kernel's are q's rows a program and its padded
+    row (heads times the pieces of a head), one tile, not pipelined."""
+    if kernel_name.startswith("qk_"):
+        pieces = 2 * kwargs["HALF_BLOCK"] + (kwargs["PASS_BLOCK"] if kwargs["ROTARY_DIM"] < kwargs["HEAD_DIM"] else 0)
+        return dict(block_m=kwargs["Q_BLOCK_M"], block_n=kwargs["Q_HEADS_BLOCK"] * pieces, single_tile=True,
+                    num_stages=1)
+    return dict(block_m=kwargs["BLOCK_M"], block_n=kwargs["BLOCK_N"],
+                single_tile=kwargs.get("SINGLE_TILE", kernel_name not in ("column_bwd_kernel", "row_dot_kernel")),
+                num_stages=kwargs.get("NUM_STAGES", 1))
+
+
 def compile_launch(kernel: Any, args: tuple, kwargs: dict, target: Any) -> Any:
     """Compiles ``kernel`` for ``target`` specialised as Triton's launcher would specialise these arguments."""
     import triton
@@ -230,7 +287,10 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
     from triton.backends.compiler import GPUTarget
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    launch = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch], arch)
+    if variant in QK_VARIANTS:
+        launch = capture_qk_launch(variant, dtype, hidden, rows, mode)
+    else:
+        launch = capture_launch(variant, dtype, hidden, rows, mode, SM_COUNTS[arch], arch)
     if launch is None:
         return None
     kernel, args, kwargs = launch
@@ -241,10 +301,7 @@ def inspect_variant(arch: str, variant: str, dtype_name: str, hidden: int, rows:
     measured["shared_bytes"] = max(measured["shared_bytes"], compiled.metadata.shared)
     return Record(
         arch=arch, kernel=kernel.__name__, variant=variant, dtype=dtype_name, hidden=hidden, rows=rows, mode=mode,
-        block_m=kwargs["BLOCK_M"], block_n=kwargs["BLOCK_N"],
-        single_tile=kwargs.get("SINGLE_TILE", kernel.__name__ not in ("column_bwd_kernel", "row_dot_kernel")),
-        num_warps=kwargs["num_warps"],
-        num_stages=kwargs.get("NUM_STAGES", 1), **measured,
+        **_tile(kernel.__name__, kwargs), num_warps=kwargs["num_warps"], **measured,
     )
 
 

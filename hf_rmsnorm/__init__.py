@@ -23,6 +23,7 @@ _PUBLIC = {
     "layer_norm": "hf_rmsnorm.ops",
     "fused_add_layer_norm": "hf_rmsnorm.ops",
     "layer_norm_add": "hf_rmsnorm.ops",
+    "qk_norm_rope": "hf_rmsnorm.ops",
     "patch_model": "hf_rmsnorm.patch",
     "unpatch_model": "hf_rmsnorm.patch",
     "check_model": "hf_rmsnorm.patch",
@@ -32,7 +33,15 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
-    from .ops import fused_add_layer_norm, fused_add_rms_norm, layer_norm, layer_norm_add, rms_norm, rms_norm_add
+    from .ops import (
+        fused_add_layer_norm,
+        fused_add_rms_norm,
+        layer_norm,
+        layer_norm_add,
+        qk_norm_rope,
+        rms_norm,
+        rms_norm_add,
+    )
     from .patch import (
         PatchReport,
         UnconvertibleModelError,

@@ -116,7 +116,7 @@ CASES: dict[str, FamilyCase] = {
     # LayerNorm decoders: the norms patched are the LayerNorms on the residual stream, two layers of (norms per
     # layer) plus the final norm. The sequential pre-LN blocks fit the generic layer body (the attention add
     # always, the MLP add in inference), the parallel blocks the generic parallel body (their one add, in
-    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived.py);
+    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived_*.py);
     # Falcon's and OPT's keep their forward (their adds are followed by an `if`, no norm).
     "gpt2": FamilyCase("gpt2", {LAYERNORM}, dict(n_embd=64, n_layer=2, n_head=4, n_positions=64), norms=5, adds=4),
     "gpt_neox": FamilyCase("gpt_neox", {LAYERNORM}, NEOX_SHAPE, norms=5, adds=2, parallel=True),

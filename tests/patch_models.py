@@ -148,3 +148,49 @@ def without_layer_fusion(monkeypatch, layers: dict | None = None) -> None:
     monkeypatch.setattr(patcher.derived_loops, "stack_kind", lambda cls: None)
     monkeypatch.setattr(patcher.derived_sites, "module_calls", lambda cls: frozenset())
 
+
+
+def unfused_copy(model, monkeypatch):
+    """A copy of ``model`` patched with the same kernels but no residual add fused: what the fused adds must match
+    bit for bit."""
+    copy_ = clone(model)
+    patch_unfused(copy_, monkeypatch)
+    return copy_
+
+
+def patch_unfused(model, monkeypatch) -> None:
+    """Patches ``model`` in place with the same kernels but no residual add fused."""
+    with monkeypatch.context() as patch:
+        without_layer_fusion(patch)
+        assert not patch_model(model).fused_adds
+
+
+def training_step(model, ids: torch.Tensor, runner=None) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
+    """One training forward of ``runner`` (``model``, or a compiled form of it), counting the norm kernels that add,
+    and its backward: ``(fused adds, logits, the gradients of model's parameters)``."""
+    from harness import residual_census
+
+    outputs = []
+    count = residual_census.fused_adds(
+        model if runner is None else runner, lambda m: outputs.append(m(ids, labels=ids, use_cache=False)), grad=True)
+    model.zero_grad()
+    outputs[0].loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return count, outputs[0].logits.detach(), grads
+
+
+def family_model(family: str):
+    """The tiny fp32 model of a case of ``family_cases.CASES`` (its config, or coverage's for a derived type), in
+    training mode; skips the test when this transformers lacks the type."""
+    import pytest
+    from family_cases import CASES
+    from transformers import CONFIG_MAPPING
+
+    case = CASES[family]
+    if case.derived_forward:
+        if case.model_type not in CONFIG_MAPPING:
+            pytest.skip(f"this transformers has no {case.model_type}")
+        from harness.coverage import _build
+
+        return _build(case.model_type).train()
+    return tiny_model(case.model_type, **case.config).train()

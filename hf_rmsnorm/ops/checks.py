@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import torch
 
 from .backend import KERNEL_DTYPES
-from .modes import get_mode
+from .modes import MODES, get_mode
+from .qk_launch import QK_MAX_ROW_ELEMENTS, qk_row_tile, qk_stats_shape
 
 # The kernels load fp16, bf16 and fp32; fp64 takes the PyTorch implementation (backend.runs_kernels).
 FLOAT_DTYPES = KERNEL_DTYPES | {torch.float64}
@@ -153,3 +154,109 @@ def _sizes(sizes: Sequence[int]) -> tuple[int, ...]:
     """A shape as a tuple of ints for a message. While torch.compile traces, sizes may be symbolic (``s0``):
     ``int`` gives the example's actual size instead (the guard it adds is moot, the error ends the tracing)."""
     return tuple(int(size) for size in sizes)
+
+
+_QK_NAMES = ("q", "k", "q_weight", "k_weight", "cos", "sin")
+_QK_OP = "qk_norm_rope"
+
+
+def check_qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    mode: str,
+    per_head: bool,
+) -> None:
+    """Checks the arguments of ``qk_norm_rope`` and of its custom op.
+
+    Raises:
+        TypeError: a tensor is not fp16, bf16, fp32 or fp64.
+        ValueError: ``q`` or ``k`` is not ``[batch, tokens, heads, head_dim]``, or they differ in batch, tokens or
+            head_dim; ``cos`` is 4-D (multimodal RoPE's sections) or otherwise not ``[batch or 1, tokens,
+            rotary_dim]``; ``sin`` not of ``cos``'s shape and dtype; ``rotary_dim`` odd or above ``head_dim``; a
+            weight not 1-D of its norm's width (``head_dim``, or ``heads * head_dim`` without ``per_head``); a norm
+            row wider than the kernels' tile; a tensor not on ``q``'s device; an eps negative, infinite or NaN;
+            ``mode`` unknown or centring (LayerNorm).
+    """
+    op = _QK_OP
+    _check_dtypes_and_devices(op, _QK_NAMES, (q, k, q_weight, k_weight, cos, sin))
+    m = MODES.get(mode)
+    if m is None or m.centre:
+        what = "is unknown" if m is None else "centres the rows (a LayerNorm)"
+        valid = ", ".join(name for name, mode_ in MODES.items() if not mode_.centre)
+        raise ValueError(f"{op}: mode {mode!r} {what}; {op} takes the RMSNorm modes: {valid}")
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} has shape {_sizes(t.shape)}; {name} must be [batch, tokens, heads, "
+                             "head_dim] (the projection's view into heads)")
+    batch, tokens, q_heads, head_dim = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (batch, tokens, head_dim):
+        raise ValueError(f"{op}: k has shape {_sizes(k.shape)} but q has shape {_sizes(q.shape)}; they must agree in "
+                         "batch, tokens and head_dim")
+    if cos.dim() == 4:
+        raise ValueError(f"{op}: cos has shape {_sizes(cos.shape)}: multimodal RoPE (a cos per position section) is "
+                         "not supported; apply the norms and the model's own RoPE")
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1] != tokens:
+        raise ValueError(f"{op}: cos has shape {_sizes(cos.shape)}; cos must be [{int(batch)} or 1, {int(tokens)}, "
+                         "rotary_dim], as the rotary embedding returns it for q and k")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"{op}: sin is {sin.dtype} of shape {_sizes(sin.shape)} but cos is {cos.dtype} of shape "
+                         f"{_sizes(cos.shape)}; they must have the same shape and dtype")
+    rotary_dim = cos.shape[2]
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"{op}: cos's last dimension is {int(rotary_dim)}; the rotary dimension must be even, "
+                         f"positive and at most head_dim ({int(head_dim)})")
+    for name, weight, heads in (("q_weight", q_weight, q_heads), ("k_weight", k_weight, k.shape[2])):
+        width = head_dim if per_head else heads * head_dim
+        if weight is not None and weight.shape != (width,):
+            over = "head_dim" if per_head else "heads * head_dim (a norm over the whole projection)"
+            raise ValueError(f"{op}: {name} has shape {_sizes(weight.shape)}; {name} must be 1-D of {over}: "
+                             f"{int(width)}")
+        heads_in_row = 1 if per_head else int(heads)
+        elements = qk_row_tile(int(head_dim), int(rotary_dim), heads_in_row).elements
+        if elements > QK_MAX_ROW_ELEMENTS:
+            raise ValueError(f"{op}: a norm row of {heads_in_row} heads of {int(head_dim)} takes {elements} elements "
+                             f"in the kernels' tile, above their {QK_MAX_ROW_ELEMENTS}; apply the norms and the RoPE "
+                             "apart")
+    for name, eps in (("q_eps", q_eps), ("k_eps", k_eps)):
+        if not 0.0 <= eps < math.inf:
+            raise ValueError(f"{op}: {name} is {eps}; {name} must be a finite number >= 0")
+
+
+def check_qk_norm_rope_backward(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    stats: torch.Tensor,
+    mode: str,
+    per_head: bool,
+) -> None:
+    """Checks the arguments of the ``qk_norm_rope_bwd`` custom op: those of the forward, the output gradients of
+    the inputs' shapes and the statistics of the shape the forward saves (autograd passes them so; a direct call
+    might not, and the kernel would read out of bounds).
+
+    Raises:
+        TypeError, ValueError: as ``check_qk_norm_rope``; also a ValueError for a gradient or statistics of
+            another shape.
+    """
+    check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 0.0, 0.0, mode, per_head)
+    op = "qk_norm_rope_bwd"
+    _check_dtypes_and_devices(op, ("q", "dq_out", "dk_out", "stats"), (q, dq_out, dk_out, stats))
+    if dq_out.shape != q.shape:
+        raise _same_shape_error(op, "dq_out", dq_out, "q", q)
+    if dk_out.shape != k.shape:
+        raise _same_shape_error(op, "dk_out", dk_out, "k", k)
+    stats_shape = qk_stats_shape(q, k, per_head)
+    if stats.shape != stats_shape:
+        raise ValueError(f"{op}: stats has shape {_sizes(stats.shape)} but the forward saves {_sizes(stats_shape)} "
+                         f"for q of shape {_sizes(q.shape)} and k of shape {_sizes(k.shape)}")

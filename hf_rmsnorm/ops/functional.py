@@ -73,7 +73,7 @@ def _fake_forward(x, residual, weight, bias, eps, mode):
     return y, x.new_empty(x.shape, dtype=norm_dtype), stats
 
 
-def _define(name: str, impl) -> Any:
+def define_ops(name: str, impl) -> Any:
     """Defines ``impl`` as the Triton op ``hf_rmsnorm::<name>_triton`` (whose fake implementation is ``impl`` itself:
     on fake tensors it records its launches and allocates its outputs) and as the custom op ``hf_rmsnorm::<name>``,
     which it returns for its fake implementation to be registered."""
@@ -88,7 +88,7 @@ def _norm_impl(
     return y, stats
 
 
-_norm_fwd = _define("norm_fwd", _norm_impl)
+_norm_fwd = define_ops("norm_fwd", _norm_impl)
 
 
 @_norm_fwd.register_fake
@@ -103,7 +103,7 @@ def _add_norm_impl(
     return _forward(x, residual, weight, bias, eps, mode)
 
 
-_add_norm_fwd = _define("add_norm_fwd", _add_norm_impl)
+_add_norm_fwd = define_ops("add_norm_fwd", _add_norm_impl)
 
 
 @_add_norm_fwd.register_fake
@@ -136,7 +136,7 @@ def _norm_add_impl(
     return _norm_add_forward(x, residual, weight, bias, eps, mode)
 
 
-_norm_add_fwd = _define("norm_add_fwd", _norm_add_impl)
+_norm_add_fwd = define_ops("norm_add_fwd", _norm_add_impl)
 
 
 @_norm_add_fwd.register_fake
@@ -175,7 +175,7 @@ def _norm_bwd_impl(
     return tuple(dx.new_empty(0) if t is None else t for t in (dx, dres, dweight, dbias))
 
 
-_norm_bwd = _define("norm_bwd", _norm_bwd_impl)
+_norm_bwd = define_ops("norm_bwd", _norm_bwd_impl)
 
 
 @_norm_bwd.register_fake
@@ -256,15 +256,15 @@ def _norm_add_backward(ctx, dout, _dstats):
     return dx, dres, dweight, dbias, None, None
 
 
-def _register_autograd(name: str, backward, setup) -> None:
-    """The same autograd formula for both of ``_define``'s operators."""
+def register_autograd_of(name: str, backward, setup) -> None:
+    """The same autograd formula for both of ``define_ops``'s operators."""
     for op in (name, f"{name}_triton"):
         torch.library.register_autograd(f"hf_rmsnorm::{op}", backward, setup_context=setup)
 
 
-_register_autograd("norm_fwd", _norm_backward, _norm_setup)
-_register_autograd("norm_add_fwd", _norm_add_backward, _norm_add_setup)
-_register_autograd("add_norm_fwd", _add_norm_backward, _add_norm_setup)
+register_autograd_of("norm_fwd", _norm_backward, _norm_setup)
+register_autograd_of("norm_add_fwd", _norm_add_backward, _norm_add_setup)
+register_autograd_of("add_norm_fwd", _add_norm_backward, _add_norm_setup)
 
 
 class _Ops(NamedTuple):
@@ -281,13 +281,19 @@ _CUSTOM_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, name) for name in _OP_NAMES))
 _TRITON_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, f"{name}_triton") for name in _OP_NAMES))
 
 
+def records_triton_ops(t: Tensor) -> bool:
+    """Whether a traced call on ``t`` records the Triton ops of ``define_ops`` (on a GPU, where inductor can launch
+    the compiled kernels itself) rather than the opaque custom ops (elsewhere: interpreted kernels, the PyTorch
+    implementation)."""
+    return t.is_cuda
+
+
 def _traced_ops(t: Tensor) -> _Ops:
-    """The operators a traced call on ``t`` records: the Triton ops on a GPU, where inductor can launch the
-    compiled kernels itself; the opaque custom ops elsewhere (interpreted kernels, the PyTorch implementation)."""
-    return _TRITON_OPS if t.is_cuda else _CUSTOM_OPS
+    """The operators a traced call on ``t`` records (``records_triton_ops``)."""
+    return _TRITON_OPS if records_triton_ops(t) else _CUSTOM_OPS
 
 
-def _autograd_function(name: str, impl, setup, backward) -> type:
+def autograd_function(name: str, impl, setup, backward) -> type:
     """An ``autograd.Function`` made of a custom op's functions, called without the custom-op dispatcher.
 
     Its ``forward`` takes ``ctx`` and runs the setup itself: ``Function.apply`` calls ``inspect.signature`` on every
@@ -307,12 +313,12 @@ def _autograd_function(name: str, impl, setup, backward) -> type:
     })
 
 
-_NormFunction = _autograd_function("_NormFunction", _norm_impl, _norm_setup, _norm_backward)
-_AddNormFunction = _autograd_function("_AddNormFunction", _add_norm_impl, _add_norm_setup, _add_norm_backward)
-_NormAddFunction = _autograd_function("_NormAddFunction", _norm_add_impl, _norm_add_setup, _norm_add_backward)
+_NormFunction = autograd_function("_NormFunction", _norm_impl, _norm_setup, _norm_backward)
+_AddNormFunction = autograd_function("_AddNormFunction", _add_norm_impl, _add_norm_setup, _add_norm_backward)
+_NormAddFunction = autograd_function("_NormAddFunction", _norm_add_impl, _norm_add_setup, _norm_add_backward)
 
 
-def _needs_autograd(*tensors: Tensor | None) -> bool:
+def needs_autograd(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -508,7 +514,7 @@ def _norm(x, weight, eps, bias, mode) -> Tensor:
     eps = float(eps)
     if torch.compiler.is_compiling():
         return _traced_ops(x).norm(x, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, weight, bias):
+    if needs_autograd(x, weight, bias):
         return _NormFunction.apply(x, weight, bias, eps, mode)[0]
     return _forward(x, None, weight, bias, eps, mode, store_stats=False)[0]
 
@@ -520,7 +526,7 @@ def _fused_add_norm(x, residual, weight, eps, bias, mode) -> tuple[Tensor, Tenso
     eps = float(eps)
     if torch.compiler.is_compiling():
         y, new_residual, _ = _traced_ops(x).add_norm(x, residual, weight, bias, eps, mode)
-    elif _needs_autograd(x, residual, weight, bias):
+    elif needs_autograd(x, residual, weight, bias):
         y, new_residual, _ = _AddNormFunction.apply(x, residual, weight, bias, eps, mode)
     else:
         y, new_residual, _ = _forward(x, residual, weight, bias, eps, mode, store_stats=False)
@@ -534,7 +540,7 @@ def _norm_add(x, residual, weight, eps, bias, mode) -> Tensor:
     eps = float(eps)
     if torch.compiler.is_compiling():
         return _traced_ops(x).norm_add(x, residual, weight, bias, eps, mode)[0]
-    if _needs_autograd(x, residual, weight, bias):
+    if needs_autograd(x, residual, weight, bias):
         return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
     return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
 

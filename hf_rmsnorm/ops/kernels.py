@@ -5,7 +5,7 @@ times: the forward reads ``x`` and ``residual`` once and writes ``y`` and ``resi
 element in bf16) plus one fp32 ``rstd`` per row; the backward reads ``dy``, the saved sum and the incoming
 gradient of the sum once and writes the input gradient once. Its weight (and bias) gradient is summed over all
 of a program's rows in fp32 registers and written once per program as a partial row; once every program has
-written its own, the same launch adds them up in a fixed order (``_sum_partials_once_written``), so one
+written its own, the same launch adds them up in a fixed order (``sum_partials_once_written``), so one
 backward is one launch. Rows wider than one tile take two kernels: ``row_dot_kernel`` reduces each row (reading
 ``dy`` and the norm's input), then ``column_bwd_kernel`` makes the input gradient and the weight gradient's
 partial sums column block by column block (reading them again, with ``dsum``), and adds those up the same way:
@@ -39,7 +39,7 @@ from .modes import STATS_SYNC_SLOTS
 # their values, as it would otherwise (an integer equal to 1 becomes a constant, one divisible by 16 an alignment
 # fact): a row runs the same compiled code whatever the batch it is in, only the integers' width following their
 # size (docs/numerics.md, "Batch invariance").
-ROW_COUNT_ARGS = ("n_rows", "n_row_blocks", "rows_per_group")
+ROW_COUNT_ARGS = ("n_rows", "n_row_blocks", "rows_per_group", "q_rows", "k_rows", "tokens")
 
 
 def row_count_args(fn: Callable[..., Any]) -> list[str]:
@@ -47,7 +47,7 @@ def row_count_args(fn: Callable[..., Any]) -> list[str]:
     return [name for name in inspect.signature(fn).parameters if name in ROW_COUNT_ARGS]
 
 
-def _jit_unspecialised_on_rows(fn: Callable[..., Any]) -> Any:
+def jit_unspecialised_on_rows(fn: Callable[..., Any]) -> Any:
     """``triton.jit``, not specialised on the row count's value (``ROW_COUNT_ARGS``)."""
     return triton.jit(fn, do_not_specialize=row_count_args(fn))
 
@@ -140,7 +140,7 @@ def _scale_and_store(
              eviction_policy="evict_first" if STREAMED else "")
 
 
-@_jit_unspecialised_on_rows
+@jit_unspecialised_on_rows
 def norm_fwd_kernel(
     X, RESIDUAL, W, B, Y, SUM_OUT, STATS,
     n_rows, n_cols,
@@ -354,7 +354,7 @@ def _store_input_grad(
         tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
 
 
-@_jit_unspecialised_on_rows
+@jit_unspecialised_on_rows
 def norm_bwd_kernel(
     DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_row_blocks,
@@ -366,7 +366,7 @@ def norm_bwd_kernel(
     """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
     ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
     rows, into row ``p`` of ``DW_PARTIAL`` (``DB_PARTIAL``); once all ``P`` rows are written, they are added up in
-    a fixed order into ``DW`` (``DB``) by ``_sum_partials_once_written``, with the counters ``SYNC``. No atomics
+    a fixed order into ``DW`` (``DB``) by ``sum_partials_once_written``, with the counters ``SYNC``. No atomics
     touch the data, so the result is deterministic, and a program with no rows still writes its zeros.
     ``STATS`` are the forward's statistics: counters, then ``rstd`` for every row, then the means when ``CENTER``;
     ``SYNC`` holds the counters the programs use (``STATS`` itself, or fresh zeros: ``launch.norm_backward``).
@@ -425,10 +425,11 @@ def norm_bwd_kernel(
         tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + partial_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
-    _sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, n_programs, n_cols, HAS_WEIGHT, HAS_BIAS)
+    sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, n_programs, n_cols, n_cols, HAS_WEIGHT,
+                               HAS_BIAS)
 
 
-@_jit_unspecialised_on_rows
+@jit_unspecialised_on_rows
 def row_dot_kernel(
     DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
@@ -460,7 +461,7 @@ def row_dot_kernel(
         tl.store(ROW_MEANS + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
 
 
-@_jit_unspecialised_on_rows
+@jit_unspecialised_on_rows
 def column_bwd_kernel(
     DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_col_blocks, rows_per_group,
@@ -473,7 +474,7 @@ def column_bwd_kernel(
     ``p // n_col_blocks`` (``rows_per_group`` rows, a multiple of ``BLOCK_M``). It makes the input gradient of
     its tile from ``row_dot_kernel``'s reductions, reading ``dy``, the norm's input and ``dsum`` once, and sums
     its columns' weight (and bias) gradient over its rows in fp32 registers, written once into row ``group`` of
-    ``DW_PARTIAL`` (``DB_PARTIAL``), which ``_sum_partials_once_written`` adds up into ``DW`` (``DB``) once every
+    ``DW_PARTIAL`` (``DB_PARTIAL``), which ``sum_partials_once_written`` adds up into ``DW`` (``DB``) once every
     program has written its own. No partial sum is read back per row, and no row is read more than twice in the
     whole backward (once here, once for the reductions)."""
     counters = SYNC.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -507,19 +508,22 @@ def column_bwd_kernel(
         tl.store(DW_PARTIAL + partial, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
         tl.store(DB_PARTIAL + partial, tl.sum(db_acc, axis=0), mask=col_mask)
-    _sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, tl.num_programs(0) // n_col_blocks, n_cols,
-                               HAS_WEIGHT, HAS_BIAS)
+    sum_partials_once_written(counters, DW_PARTIAL, DB_PARTIAL, DW, DB, tl.num_programs(0) // n_col_blocks, n_cols,
+                               n_cols, HAS_WEIGHT, HAS_BIAS)
 
 
 # Not inlined: ptxas then allocates the row loops' registers apart from this code's. Inlined into the single-tile
 # backward, it took the bf16 16384 tile from no spill to 40-72 bytes a thread (sm_90, Triton 3.6).
 @triton.jit(noinline=True)
-def _sum_partials_once_written(
-    SYNC, DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+def sum_partials_once_written(
+    SYNC, DW_PARTIAL, DB_PARTIAL, DW, DB, n_partials, n_cols, n_cols_b, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """The backward's last step, run by every program of its launch after writing its partial weight-gradient
-    row(s): ``DW = DW_PARTIAL.sum(0)`` over the ``n_partials`` rows, cast to ``DW``'s dtype (the same for the
-    bias), once all of them are written, in the order fixed by the shapes alone.
+    row(s): ``DW = DW_PARTIAL.sum(0)`` over the ``n_partials`` rows of ``n_cols``, cast to ``DW``'s dtype, and the
+    same for ``DB`` from ``DB_PARTIAL``'s rows of ``n_cols_b`` (the bias's gradient: ``n_cols`` again; the q/k
+    backward of ``qk_kernels.py`` sums the key norm's weight gradient there), once all of them are written, in the
+    order fixed by the shapes alone.
 
     Who sums. Each program counts itself into ``SYNC[STARTED]`` as it begins and into ``SYNC[WRITTEN]`` once its
     partial rows are written. A program that then finds every program started waits until every program has
@@ -558,8 +562,9 @@ def _sum_partials_once_written(
             pass
         tl.debug_barrier()
         piece = tl.atomic_add(SYNC + CLAIMED, 1, sem="relaxed")
-        while piece < tl.cdiv(n_cols, REDUCE_BLOCK_N):
-            _sum_partial_columns(DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, HAS_WEIGHT, HAS_BIAS)
+        while piece < tl.cdiv(tl.maximum(n_cols, n_cols_b), REDUCE_BLOCK_N):
+            _sum_partial_columns(DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, n_cols_b, HAS_WEIGHT,
+                                 HAS_BIAS)
             piece = tl.atomic_add(SYNC + CLAIMED, 1, sem="relaxed")
     if tl.atomic_add(SYNC + DONE, 1, sem="acq_rel") == n_programs - 1:
         tl.store(SYNC + tl.arange(0, SYNC_SLOTS), tl.zeros([SYNC_SLOTS], dtype=tl.int32))
@@ -567,25 +572,29 @@ def _sum_partials_once_written(
 
 @triton.jit
 def _sum_partial_columns(
-    DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DW_PARTIAL, DB_PARTIAL, DW, DB, piece, n_partials, n_cols, n_cols_b, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Columns ``piece * REDUCE_BLOCK_N`` onwards of ``DW = DW_PARTIAL.sum(0)`` (and ``DB``): the
-    ``n_partials`` rows added ``REDUCE_BLOCK_P`` at a time into a ``[REDUCE_BLOCK_P, REDUCE_BLOCK_N]`` fp32
-    accumulator that one ``tl.sum`` folds at the end (``REDUCE_BLOCK_P`` interleaved chains rather than one keep
-    the fp32 rounding error small), read past L1 (``_sum_partials_once_written``)."""
+    """Columns ``piece * REDUCE_BLOCK_N`` onwards of ``DW = DW_PARTIAL.sum(0)`` (rows of ``n_cols``) and ``DB``
+    (rows of ``n_cols_b``): the ``n_partials`` rows added ``REDUCE_BLOCK_P`` at a time into a
+    ``[REDUCE_BLOCK_P, REDUCE_BLOCK_N]`` fp32 accumulator that one ``tl.sum`` folds at the end (``REDUCE_BLOCK_P``
+    interleaved chains rather than one keep the fp32 rounding error small), read past L1
+    (``sum_partials_once_written``)."""
     cols = piece * REDUCE_BLOCK_N + tl.arange(0, REDUCE_BLOCK_N)
     col_mask = cols < n_cols
+    col_mask_b = cols < n_cols_b
     dw_acc = tl.zeros([REDUCE_BLOCK_P, REDUCE_BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([REDUCE_BLOCK_P, REDUCE_BLOCK_N], dtype=tl.float32)
     for start in range(0, n_partials, REDUCE_BLOCK_P):
         parts = (start + tl.arange(0, REDUCE_BLOCK_P)).to(tl.int64)
-        mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        offsets = parts[:, None] * n_cols + cols[None, :]
+        part_mask = (parts < n_partials)[:, None]
         if HAS_WEIGHT:
-            dw_acc += tl.load(DW_PARTIAL + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            dw_acc += tl.load(DW_PARTIAL + parts[:, None] * n_cols + cols[None, :], mask=part_mask & col_mask[None, :],
+                              other=0.0, cache_modifier=".cg")
         if HAS_BIAS:
-            db_acc += tl.load(DB_PARTIAL + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            db_acc += tl.load(DB_PARTIAL + parts[:, None] * n_cols_b + cols[None, :],
+                              mask=part_mask & col_mask_b[None, :], other=0.0, cache_modifier=".cg")
     if HAS_WEIGHT:
         tl.store(DW + cols, tl.sum(dw_acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
     if HAS_BIAS:
-        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask)
+        tl.store(DB + cols, tl.sum(db_acc, axis=0).to(DB.dtype.element_ty), mask=col_mask_b)

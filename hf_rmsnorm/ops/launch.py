@@ -19,6 +19,7 @@ from torch.library import wrap_triton
 from .fast_launch import CachedLauncher, all_aligned, int_class
 from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
 from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
+from .qk_kernels import qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
 
 # Widest row kept whole in registers, as bytes of its activations' elements (so twice as many bf16 elements as
@@ -166,7 +167,8 @@ def is_traced(t: torch.Tensor) -> bool:
 
 
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel)}
+                                                              column_bwd_kernel, qk_norm_rope_fwd_kernel,
+                                                              qk_norm_rope_bwd_kernel)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
@@ -191,7 +193,7 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, pl
         launcher(grid, device, args, constexprs, num_warps, plan, varying)
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     # triton.cdiv goes through Triton's constexpr-function machinery: microseconds per call on the host.
     return -(-a // b)
 
@@ -212,7 +214,7 @@ def forward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, elem_bytes: int, 
     the interpreter). Rows of one tile: one program per row block. Wider rows: a persistent grid of as many
     programs as keep ``FWD_REREAD_L2_SHARE`` of the GPU's L2 in rows in flight (one row block each), at least one
     per SM, at most one per row block; in the interpreter, ``INTERPRET_PROGRAMS``."""
-    n_row_blocks = _cdiv(n_rows, tiling.block_m)
+    n_row_blocks = cdiv(n_rows, tiling.block_m)
     if tiling.single_tile:
         return n_row_blocks
     if device_index < 0:
@@ -355,6 +357,12 @@ def norm_forward(
     return launch(x, residual, weight, bias, eps, residual_after)
 
 
+def program_slots(programs_per_sm: int, device_index: int) -> int:
+    """Programs a persistent grid of ``programs_per_sm`` programs an SM holds on GPU ``device_index`` (-1: the
+    interpreter, which runs programs one after another: ``INTERPRET_PROGRAMS``)."""
+    return INTERPRET_PROGRAMS if device_index < 0 else _sm_count(device_index) * programs_per_sm
+
+
 def backward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, device_index: int) -> tuple[int, int, int]:
     """``(programs, partial rows, rows per group)`` of a backward launch of ``n_rows`` rows of ``n_cols`` elements
     tiled as ``tiling`` (``backward_plan``) on GPU ``device_index`` (-1: the interpreter, which runs programs one
@@ -362,14 +370,14 @@ def backward_grid(tiling: TilingPlan, n_rows: int, n_cols: int, device_index: in
     A single tile: one program and one partial row per slot, at most one per row block (rows per group: 0, unused).
     Wider rows: row groups of ``rows per group`` rows (a multiple of the tile's rows) times column blocks fill the
     slots, each group writing one partial row."""
-    n_row_blocks = _cdiv(n_rows, tiling.block_m)
-    slots = INTERPRET_PROGRAMS if device_index < 0 else _sm_count(device_index) * tiling.programs_per_sm
+    n_row_blocks = cdiv(n_rows, tiling.block_m)
+    slots = program_slots(tiling.programs_per_sm, device_index)
     if tiling.single_tile:
         n_partials = min(n_row_blocks, slots)
         return n_partials, n_partials, 0
-    n_col_blocks = _cdiv(n_cols, tiling.block_n)
-    rows_per_group = _cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * tiling.block_m
-    n_partials = _cdiv(n_rows, rows_per_group)
+    n_col_blocks = cdiv(n_cols, tiling.block_n)
+    rows_per_group = cdiv(n_row_blocks, max(1, min(n_row_blocks, slots // n_col_blocks))) * tiling.block_m
+    n_partials = cdiv(n_rows, rows_per_group)
     return n_partials * n_col_blocks, n_partials, rows_per_group
 
 
@@ -401,7 +409,7 @@ def norm_backward(
     m = get_mode(mode)
     plan = backward_plan(n_cols, elem_bytes, device_arch(norm_input.get_device()),
                          bwd_live_tiles(weight is not None, bias_dtype is not None, m))
-    n_row_blocks = _cdiv(n_rows, plan.block_m)
+    n_row_blocks = cdiv(n_rows, plan.block_m)
     if n_row_blocks == 0 or n_cols == 0:
         dweight = None if weight is None else torch.zeros_like(weight)
         dbias = None if bias_dtype is None else torch.zeros(n_cols, dtype=bias_dtype, device=device)
@@ -446,7 +454,7 @@ def norm_backward(
         _launch(
             wrap_triton(column_bwd_kernel) if is_traced(dy) else column_bwd_kernel, grid,
             (dy2, dsum2, s2, stats, row_means, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
-             n_rows, n_cols, _cdiv(n_cols, plan.block_n), rows_per_group,
+             n_rows, n_cols, cdiv(n_cols, plan.block_n), rows_per_group,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
             gradients, plan.num_warps,
         )

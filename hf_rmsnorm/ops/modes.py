@@ -29,7 +29,7 @@ import torch
 # The statistics a forward saves for its backward are one flat tensor: STATS_SYNC_SLOTS int32 counters (in the
 # fp32 tensor's first elements, zero bits being zero in both), then ``rstd`` of every row, then, when centring, the
 # row means. The forward kernel zeroes the counters; the backward kernel's programs count on them to agree on when
-# every partial weight gradient is written and who sums it (kernels.py, ``_sum_partials_once_written``), and its
+# every partial weight gradient is written and who sums it (kernels.py, ``sum_partials_once_written``), and its
 # last program zeroes them again, so that the tensor a forward returns is the tensor every backward finds. Four
 # int32 counters are 16 bytes: the values after them keep the tensor's 16-byte alignment. The PyTorch
 # implementation saves the same layout, its counters zero.

@@ -10,9 +10,11 @@ The forward also returns the per-row statistics for the backward, laid out as th
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .modes import get_mode
+from .modes import STATS_SYNC_SLOTS, get_mode
 
 
 def forward_reference(
@@ -95,3 +97,89 @@ def error_beyond_bound(ours: torch.Tensor, baseline: torch.Tensor, exact: torch.
     error = (ours.double() - exact.double()).abs().max().item()
     baseline_error = (baseline.double() - exact.double()).abs().max().item()
     return error - (max(baseline_error, torch.finfo(ours.dtype).eps * scale) * 1.01 + 1e-6 * scale)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``(-x2, x1)`` of the halves of ``x``'s last dimension: the rotation of Hugging Face's ``rotate_half`` RoPE."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def qk_norm_rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+    mode: str,
+    per_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q_out, k_out, stats)`` of ``qk.qk_norm_rope``'s op, as the attention modules compute them: each norm
+    (``forward_reference``) over each head or over all heads of a token, then ``n * cos + rotate_half(n) * sin``
+    over the first ``cos.shape[-1]`` columns of each head, in torch's dtypes and roundings. Outputs are
+    ``[batch, tokens, heads, head_dim]`` and contiguous; ``stats`` are laid out as the kernels lay them out (the
+    counters, ``rstd`` of q's rows, then of k's)."""
+    m = get_mode(mode)
+    q_out, q_rstd = _norm_rope_reference(q, q_weight, cos, sin, q_eps, mode, per_head)
+    k_out, k_rstd = _norm_rope_reference(k, k_weight, cos, sin, k_eps, mode, per_head)
+    return q_out, k_out, torch.cat([m.pack_stats(q_rstd, None), k_rstd.reshape(-1)])
+
+
+def _norm_rows(x: torch.Tensor, per_head: bool) -> torch.Tensor:
+    """``x`` (``[batch, tokens, heads, head_dim]``) as the norm's rows: each head, or each token's heads together."""
+    return x if per_head else x.reshape(*x.shape[:2], -1)
+
+
+def _norm_rope_reference(x, weight, cos, sin, eps, mode, per_head):
+    y, _, stats = forward_reference(_norm_rows(x, per_head), None, weight, None, eps, mode)
+    y = y.view(x.shape)
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads
+    rotated = y[..., :rotary_dim] * cos + rotate_half(y[..., :rotary_dim]) * sin
+    out = torch.cat([rotated, y[..., rotary_dim:]], dim=-1).contiguous()
+    rstd, _ = get_mode(mode).unpack_stats(stats, _norm_rows(x, per_head).shape)
+    return out, rstd
+
+
+def qk_norm_rope_backward_reference(
+    dq_out: torch.Tensor,
+    dk_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    stats: torch.Tensor,
+    mode: str,
+    per_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dq, dk, d q_weight, d k_weight)`` of ``qk_norm_rope_reference`` in the norms' compute dtype (None for an
+    absent weight): the rotation's transpose (``dn = dy * cos + rotate_half^T(dy * sin)``, the rest of each head
+    passing ``dy`` through), then ``backward_reference``. The caller casts them to the inputs' dtypes."""
+    m = get_mode(mode)
+    q_rows = _norm_rows(q, per_head).shape
+    rstd = stats[STATS_SYNC_SLOTS:]
+    q_count = math.prod(q_rows[:-1])
+    dq, dqw = _norm_rope_backward_reference(dq_out, q, q_weight, cos, sin, rstd[:q_count], m, per_head)
+    dk, dkw = _norm_rope_backward_reference(dk_out, k, k_weight, cos, sin, rstd[q_count:], m, per_head)
+    return dq, dk, dqw, dkw
+
+
+def _norm_rope_backward_reference(dy, x, weight, cos, sin, rstd, m, per_head):
+    compute = m.compute_dtype(x.dtype)
+    rotary_dim = cos.shape[-1]
+    cos, sin = cos.unsqueeze(2).to(compute), sin.unsqueeze(2).to(compute)
+    dy = dy.to(compute)
+    rotated = dy[..., :rotary_dim]
+    along_sin = rotated * sin
+    # rotate_half's transpose: (x1, x2) -> (x2, -x1).
+    x1, x2 = along_sin.chunk(2, dim=-1)
+    dn = torch.cat([rotated * cos + torch.cat((x2, -x1), dim=-1), dy[..., rotary_dim:]], dim=-1)
+    rows = _norm_rows(x, per_head)
+    dx, dweight, _ = backward_reference(_norm_rows(dn, per_head), None, rows, m.pack_stats(rstd.view(rows.shape[:-1]),
+                                        None), weight, False, m.name)
+    return dx.view(x.shape), dweight

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from . import handoff
+from . import guard, handoff
 from .families import NormKind
 
 
@@ -18,7 +18,7 @@ def _fusable(norm: object, a: object, b: object) -> bool:
         isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
         and isinstance(a, Tensor) and isinstance(b, Tensor)
         and type(a) is type(b) and a.shape == b.shape and a.device == b.device
-        and not handoff.hooked(norm)
+        and not guard.watched(norm)
     )
 
 

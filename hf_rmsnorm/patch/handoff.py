@@ -30,10 +30,11 @@ Why this computes the unpatched function, and its gradients, exactly:
 * Whatever else could see or change the hidden state between the two modules makes the loop call both plainly
   (``foreign_code``): a forward hook, pre-hook or backward hook (module or global) on the layer, the next layer or
   the norm, other than transformers' read-only output recorders and the conversion's own centring pre-hook on a
-  layer that only hands on; accelerate's hooks (they move and offload weights); a layer whose class or forward
-  was changed after patching; a norm replaced in its parent after patching (PEFT's ``modules_to_save``), or whose
-  weight is on another device than the hidden states. A custom loop, or a stack forward replaced after patching,
-  never calls ``call_layer``: every layer called directly runs its adds unfused, exactly as before patching.
+  layer that only hands on (``guard.py``, the guard of every fused site); accelerate's hooks (they move and
+  offload weights); a layer whose class or forward was changed after patching; a norm replaced in its parent after
+  patching (PEFT's ``modules_to_save``), or whose weight is on another device than the hidden states. A custom
+  loop, or a stack forward replaced after patching, never calls ``call_layer``: every layer called directly runs
+  its adds unfused, exactly as before patching.
 * The normed sum is an output of the fused kernel's autograd node and an input of the next layer, so the
   gradient reaching it and the sum's reach that node's backward together, as in eager fusion (whose gradients
   the tests hold bitwise equal to the unfused adds').
@@ -52,8 +53,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
+
+from . import guard
 
 # The private keyword the derived loop calls a fused layer with: ``(next norm or None, receives)``.
 KWARG = "_hf_rmsnorm_handoff"
@@ -176,24 +178,16 @@ def call_layer(stack: nn.Module, layer: nn.Module, next_layer: nn.Module | None,
 def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> bool:
     """Whether anything but the two modules' own code could see or change what passes between ``layer`` and
     ``link``'s norm, or would see the private arguments (module docstring): then the loop makes the plain calls.
-    Issue 29 generalises this guard; it is the one place it lives."""
+    Hooks are ``guard.watched``'s to judge, the one guard of every fused site."""
     norm, consumer = link.norm, link.consumer
-    if link.parent._modules.get(link.attribute) is not norm or _global_hooks(backward=True):
+    if link.parent._modules.get(link.attribute) is not norm or "_hf_hook" in norm.__dict__:
         return True
     weight = getattr(norm, "weight", None)
     if isinstance(weight, Tensor) and weight.device != hidden_states.device:
         return True
-    if hooked(norm) or _backward_hooked(norm) or "_hf_hook" in norm.__dict__:
+    if guard.watched(norm) or not _fused_layer(layer) or guard.watched(layer, _seen_alike_by_handing_layer):
         return True
-    if not _fused_layer(layer) or _watched(layer, allowed_pre_hook=_is_stream_centring):
-        return True
-    return consumer is not norm and (not _fused_layer(consumer) or _watched(consumer))
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether a forward hook or pre-hook, of ``module`` or global, would see ``module``'s call: a fused call
-    passes it other arguments than the original's."""
-    return bool(module._forward_pre_hooks or module._forward_hooks) or _global_hooks(backward=False)
+    return consumer is not norm and (not _fused_layer(consumer) or guard.watched(consumer, guard.is_output_recorder))
 
 
 def _fused_layer(module: nn.Module) -> bool:
@@ -204,39 +198,9 @@ def _fused_layer(module: nn.Module) -> bool:
         "forward" in module.__dict__ or "_hf_hook" in module.__dict__)
 
 
-def _backward_hooked(module: nn.Module) -> bool:
-    return bool(module._backward_hooks or module._backward_pre_hooks)
-
-
-def _watched(layer: nn.Module, allowed_pre_hook=lambda hook: False) -> bool:
-    """Whether a hook of ``layer`` would see its private arguments or its appended output: a backward hook, a
-    forward hook but transformers' output recorders, a pre-hook but ``allowed_pre_hook``'s."""
-    if not (layer._forward_hooks or layer._forward_pre_hooks):  # the common case, decided without a scan
-        return _backward_hooked(layer)
-    return (
-        _backward_hooked(layer)
-        or any(not _is_output_recorder(hook) for hook in layer._forward_hooks.values())
-        or any(not allowed_pre_hook(hook) for hook in layer._forward_pre_hooks.values())
-    )
-
-
-def _is_output_recorder(hook) -> bool:
-    # transformers' `output_hidden_states` / `output_attentions` recorders only append outputs to a list.
-    return (
-        getattr(hook, "__name__", None) == "output_capturing_hook"
-        and getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
-    )
-
-
-def _is_stream_centring(hook) -> bool:
-    # conversion.py's pre-hook of a converted stack's first layer (it centres the input, and never receives).
-    return (getattr(hook, "__name__", None) == "centre_stream"
-            and getattr(hook, "__module__", None) == f"{__package__}.conversion")
-
-
-def _global_hooks(*, backward: bool) -> bool:
-    """Whether a global module hook is installed: a forward hook or pre-hook, or (``backward``) a backward one."""
-    module = torch.nn.modules.module
-    if backward:
-        return bool(module._global_backward_hooks or module._global_backward_pre_hooks)
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
+def _seen_alike_by_handing_layer(hook) -> bool:
+    # A hook of a layer that hands on but does not receive: transformers' output recorders, and conversion.py's
+    # pre-hook of a converted stack's first layer (it centres the input; the first layer never receives).
+    return guard.is_output_recorder(hook) or (
+        getattr(hook, "__name__", None) == "centre_stream"
+        and getattr(hook, "__module__", None) == f"{__package__}.conversion")

@@ -7,7 +7,9 @@ attribute names; adding a shape is a class here, the entries that use it and a t
 A body is a plain function of ``(layer, hidden_states, *args, _hf_rmsnorm_call=None, **kwargs)``: the fused
 layer's forward (``fused.py``, with the original forward's signature) calls it, passing the ``handoff.LayerCall``
 of a call from the derived stack loop. Each calls what the original calls, in the original's order (dropouts draw
-random numbers), and passes every other layer argument to the attention as the original does.
+random numbers), and passes every other layer argument to the attention as the original does. An add goes into a
+norm's kernel only when no hook watches that norm (``guard.watched``, asked at every call); otherwise the body
+adds and calls the norm on the sum as the original does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
-from . import handoff
+from . import guard, handoff
 from .handoff import LayerCall
 
 if TYPE_CHECKING:
@@ -31,18 +33,18 @@ def _sequential_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: Layer
     hidden_states = _attend(self, kind, _input_norm(self, kind, hidden_states, _hf_rmsnorm_call), args, kwargs)
 
     post_attention_norm = getattr(self, kind.post_attention_norm)
-    if _dropout_active(self, kind.attention_dropout):
-        residual = residual + _scaled(self, kind, getattr(self, kind.attention_dropout)(hidden_states))
-        hidden_states = post_attention_norm(residual)
-    else:
+    if _dropout_skippable(self, kind.attention_dropout) and not guard.watched(post_attention_norm):
         hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
+    else:
+        residual = residual + _scaled(self, kind, _dropped(self, kind.attention_dropout, hidden_states))
+        hidden_states = post_attention_norm(residual)
     hidden_states = getattr(self, kind.mlp)(hidden_states)
     if kind.mlp_output == "pair" or (kind.mlp_output == "pair if tuple" and isinstance(hidden_states, tuple)):
         hidden_states, _ = hidden_states
     if kind.mlp_output_as_residual:
         hidden_states = hidden_states.view(residual.shape)
 
-    if _dropout_active(self, kind.mlp_dropout):
+    if not _dropout_skippable(self, kind.mlp_dropout):
         return residual + _scaled(self, kind, getattr(self, kind.mlp_dropout)(hidden_states))
     return handoff.add_residual(_hf_rmsnorm_call, _scaled(self, kind, hidden_states), residual)
 
@@ -56,9 +58,9 @@ def _post_norm_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerC
     if kind.input_norm is not None:
         hidden_states = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)
     hidden_states = _attend(self, kind, hidden_states, args, kwargs)
-    hidden_states = getattr(self, kind.post_attention_norm)(hidden_states, add_to=residual)
+    hidden_states = _norm_then_add(getattr(self, kind.post_attention_norm), hidden_states, residual)
     mlp_input = hidden_states if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)(hidden_states)
-    return getattr(self, kind.post_mlp_norm)(getattr(self, kind.mlp)(mlp_input), add_to=hidden_states)
+    return _norm_then_add(getattr(self, kind.post_mlp_norm), getattr(self, kind.mlp)(mlp_input), hidden_states)
 
 
 def _parallel_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
@@ -116,12 +118,20 @@ def _scaled(layer: nn.Module, kind: LayerKind, branch: Tensor) -> Tensor:
     return branch if kind.residual_scale is None else branch * getattr(layer, kind.residual_scale)
 
 
-def _dropout_active(layer: nn.Module, name: str | None) -> bool:
-    """A residual dropout that would change its input (a fused add is exact only when it would not)."""
+def _dropout_skippable(layer: nn.Module, name: str | None) -> bool:
+    """Whether the fused add may leave out the residual dropout ``name``: none, or one that would neither change
+    its input nor be seen by a hook (``guard.watched``)."""
     if name is None:
-        return False
+        return True
     dropout = getattr(layer, name)
-    return dropout.training and dropout.p > 0
+    return not (dropout.training and dropout.p > 0) and not guard.watched(dropout)
+
+
+def _norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + norm(x)``: from the norm's kernel unless a hook watches the norm (``guard.watched``)."""
+    if guard.watched(norm):
+        return residual + norm(x)
+    return norm(x, add_to=residual)
 
 
 def _parallel_residual_first_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,

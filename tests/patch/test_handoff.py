@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_cases import CASES
-from patch_models import clone, input_ids, tiny_model, without_layer_fusion
-from transformers import CONFIG_MAPPING
+from patch_models import clone, family_model, input_ids, tiny_model, training_step, unfused_copy
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from harness import residual_census
@@ -19,27 +18,6 @@ from hf_rmsnorm import patch_model
 # sandwich layer: its adds go into the norms inside it, nothing is handed on).
 FAMILIES = ["llama", "qwen3", "lfm2", "apertus", "gemma2"]
 MODES = ["eager", "compiled", "layers compiled", "checkpointed", "checkpointed reentrant"]
-
-
-def _model(family: str):
-    """``family``'s tiny fp32 model (the test table's config, or coverage's for a derived type), training."""
-    case = CASES[family]
-    if case.derived_forward:
-        if family not in CONFIG_MAPPING:
-            pytest.skip(f"this transformers has no {family}")
-        from harness.coverage import _build
-
-        return _build(family).train()
-    return tiny_model(family, **case.config).train()
-
-
-def _unfused(model, monkeypatch):
-    """``model`` patched with the same kernels but no residual add fused: what the fused adds must match."""
-    copy_ = clone(model)
-    with monkeypatch.context() as patch:
-        without_layer_fusion(patch)
-        assert not patch_model(copy_).fused_adds
-    return copy_
 
 
 def _train_step(model, mode: str, ids) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
@@ -55,13 +33,7 @@ def _train_step(model, mode: str, ids) -> tuple[int, torch.Tensor, dict[str, tor
         for layer in model.modules():
             if isinstance(layer, GradientCheckpointingLayer):
                 layer.compile(backend="aot_eager", fullgraph=True)
-    outputs = []
-    count = residual_census.fused_adds(
-        runner, lambda m: outputs.append(m(ids, labels=ids, use_cache=False)), grad=True)
-    model.zero_grad()
-    outputs[0].loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return count, outputs[0].logits.detach(), grads
+    return training_step(model, ids, runner)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -70,11 +42,11 @@ def test_every_add_is_fused_in_training_with_the_unfused_gradients(family, mode,
     """Compiled (the model in one graph, or each layer in its own) and checkpointed (either kind) training fuses
     every add eager training does, and the logits and every gradient are those of the same run with the adds
     apart, bit for bit."""
-    model = _model(family)
+    model = family_model(family)
     ids = input_ids(seq=6)
     patched = clone(model)
     patch_model(patched)
-    unfused = _unfused(model, monkeypatch)
+    unfused = unfused_copy(model, monkeypatch)
     count, logits, grads = _train_step(patched, mode, ids)
     assert count == CASES[family].adds
     _, expected_logits, expected = _train_step(unfused, mode, ids)
@@ -87,9 +59,9 @@ def test_every_add_is_fused_in_training_with_the_unfused_gradients(family, mode,
 def test_compiled_checkpointed_training_fuses_every_add_with_the_unfused_gradients(monkeypatch):
     """torch.compile(fullgraph=True) over non-reentrant checkpointing: each layer is a checkpoint region of the one
     graph, and the normed sum passes between two of them."""
-    model = _model("llama")
+    model = family_model("llama")
     ids = input_ids(seq=6)
-    patched, unfused = clone(model), _unfused(model, monkeypatch)
+    patched, unfused = clone(model), unfused_copy(model, monkeypatch)
     patch_model(patched)
     results = []
     for m in (patched, unfused):
@@ -132,16 +104,17 @@ def _backward_hook(module, grad_input, grad_output):
     return None
 
 
-# (where, hook kind) -> the layer outputs still handed on, of Llama's two (layer 0 into layer 1's input norm,
-# layer 1 into the final norm).
+# (where, hook kind) -> the adds still fused, of Llama's four: the attention add inside each layer (fused unless a
+# hook watches its norm), and the two layer outputs handed on (layer 0 into layer 1's input norm, layer 1 into the
+# final norm).
 HOOKED = {
-    ("layer 1", "forward"): 0,  # the hook sees layer 1's arguments and output: it neither receives nor hands on
-    ("layer 1", "pre"): 0,  # layer 1's arguments are seen: it receives nothing, and hands nothing on
-    ("layer 1", "backward"): 0,
-    ("layer 1 input norm", "pre"): 1,
-    ("final norm", "forward"): 1,
-    ("final norm", "backward"): 1,
-    ("global", "forward"): 0,
+    ("layer 1", "forward"): 2,  # the hook sees layer 1's arguments and output: it neither receives nor hands on
+    ("layer 1", "pre"): 2,  # layer 1's arguments are seen: it receives nothing, and hands nothing on
+    ("layer 1", "backward"): 2,
+    ("layer 1 input norm", "pre"): 3,
+    ("final norm", "forward"): 3,
+    ("final norm", "backward"): 3,
+    ("global", "forward"): 0,  # a global hook watches every norm: nothing is fused
     ("global", "backward"): 0,
 }
 
@@ -152,7 +125,7 @@ def test_a_hook_between_two_layers_gets_the_plain_calls(where, kind, monkeypatch
     unpatched model calls them, the hook sees what it sees there, and the outputs and gradients stay exact."""
     model = tiny_model("llama").train()
     ids = input_ids(seq=6)
-    patched, unfused = clone(model), _unfused(model, monkeypatch)
+    patched, unfused = clone(model), unfused_copy(model, monkeypatch)
     patch_model(patched)
     counts, results = [], []
     for m in (patched, unfused):
@@ -179,7 +152,7 @@ def test_a_hook_between_two_layers_gets_the_plain_calls(where, kind, monkeypatch
         counts.append(count)
         results.append((seen, logits, grads))
     (seen, logits, grads), (expected_seen, expected_logits, expected) = results
-    assert counts == [2 + HOOKED[where, kind], 0]  # the attention adds, inside each layer, and the handed on
+    assert counts == [HOOKED[where, kind], 0]
     assert seen == expected_seen and seen
     assert torch.equal(logits, expected_logits)
     for name, grad in expected.items():
@@ -191,7 +164,7 @@ def test_output_recorders_see_the_sums_and_keep_the_handoff(monkeypatch):
     the tuple a handing layer returns: the sum; they read and change nothing, so every add stays fused."""
     model = tiny_model("qwen3").train()
     ids = input_ids(seq=6)
-    patched, unfused = clone(model), _unfused(model, monkeypatch)
+    patched, unfused = clone(model), unfused_copy(model, monkeypatch)
     patch_model(patched)
     hidden = []
     for m in (patched, unfused):
@@ -209,7 +182,7 @@ def test_a_layer_called_outside_the_derived_loop_runs_its_adds_apart(monkeypatch
     tensor and adds its output itself, and the next norm normalises it."""
     model = tiny_model("llama", torch.bfloat16)
     ids = input_ids()
-    patched, unfused = clone(model), _unfused(model, monkeypatch)
+    patched, unfused = clone(model), unfused_copy(model, monkeypatch)
     patch_model(patched)
 
     def custom_loop(m):

@@ -6,20 +6,10 @@ import copy
 import pytest
 import torch
 from family_cases import CASES
-from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model, without_layer_fusion
+from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model, unfused_copy
 
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import patcher
-
-
-def _norms_only(model, monkeypatch):
-    """A copy of ``model`` with the same kernels but no fused residual adds: what the fused adds must match
-    bitwise."""
-    copy_ = clone(model)
-    with monkeypatch.context() as patch:
-        without_layer_fusion(patch)
-        assert not patch_model(copy_).fused_adds
-    return copy_
 
 
 def _patched(model):
@@ -88,7 +78,7 @@ def _recording(layer, calls):
 def test_output_hidden_states_are_the_unpatched_ones(monkeypatch):
     model = tiny_model("qwen3", torch.bfloat16)
     ids = input_ids()
-    unfused = _norms_only(model, monkeypatch)
+    unfused = unfused_copy(model, monkeypatch)
     patched = _patched(model)
     with torch.no_grad():
         eager = model(ids, output_hidden_states=True).hidden_states
@@ -116,7 +106,7 @@ def test_hooks_that_change_a_layer_output_are_respected(hook, grad_mode, monkeyp
     model = tiny_model("llama", torch.bfloat16)
     ids = input_ids()
     outputs = []
-    for m in (model, _norms_only(model, monkeypatch), _patched(model)):
+    for m in (model, unfused_copy(model, monkeypatch), _patched(model)):
         if hook is not None:
             m.model.layers[0].register_forward_hook(hook)
         with grad_mode():
@@ -137,7 +127,7 @@ def test_a_layer_called_directly_with_positional_arguments(monkeypatch):
     model = tiny_model("llama", torch.bfloat16)
     hidden, position_ids, cos_sin = _first_layer_inputs(model)
     args = (hidden, None, position_ids, None, False, cos_sin)
-    expected = _norms_only(model, monkeypatch).model.layers[0](*args)
+    expected = unfused_copy(model, monkeypatch).model.layers[0](*args)
     patched = _patched(model)
     assert torch.equal(patched.model.layers[0](*args), expected)
     with pytest.raises(TypeError, match="positional arguments"):
@@ -165,7 +155,7 @@ def test_accelerate_cpu_offload(order, monkeypatch):
 
     model = tiny_model("llama")
     ids = input_ids()
-    expected = _norms_only(model, monkeypatch)(ids).logits.detach()
+    expected = unfused_copy(model, monkeypatch)(ids).logits.detach()
     if order == "patch_then_offload":
         patch_model(model)
         cpu_offload(model, execution_device="cpu")
@@ -186,7 +176,7 @@ def test_accelerate_dispatch_with_disk_offload(tmp_path, monkeypatch):
 
     model = tiny_model("llama")
     ids = input_ids()
-    expected = _norms_only(model, monkeypatch)(ids).logits.detach()
+    expected = unfused_copy(model, monkeypatch)(ids).logits.detach()
     eager = model(ids).logits.detach()
     device_map = {
         "model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
@@ -330,7 +320,7 @@ def test_a_custom_layer_loop_editing_in_place_gets_exact_outputs(grad_mode, monk
 
     model = tiny_model("llama", torch.bfloat16)
     ids = input_ids()
-    unfused, patched = _norms_only(model, monkeypatch), _patched(model)
+    unfused, patched = unfused_copy(model, monkeypatch), _patched(model)
     outputs = []
     for m in (model, unfused, patched):
         with grad_mode():
@@ -347,7 +337,7 @@ def test_a_stack_whose_forward_was_replaced_keeps_its_adds_unfused(replaced, mon
 
     model = tiny_model("llama", torch.bfloat16)
     ids = input_ids()
-    unfused = _norms_only(model, monkeypatch)
+    unfused = unfused_copy(model, monkeypatch)
     if replaced == "before_patching":
         monkeypatch.setattr(LlamaModel, "forward", _steered_forward)
         report = patch_model(model)
@@ -391,7 +381,7 @@ def test_a_positional_cache_reaches_the_attention_under_the_installed_name(monke
         cache = DynamicCache(config=model.config)
         return layer(hidden, None, position_ids, cache, True, cos_sin), cache.layers[0].keys
 
-    expected, expected_keys = run(_norms_only(model, monkeypatch).model.layers[0])
+    expected, expected_keys = run(unfused_copy(model, monkeypatch).model.layers[0])
     output, keys = run(_patched(model).model.layers[0])
     assert expected_keys is not None and expected_keys.shape[-2] == hidden.shape[1]
     assert torch.equal(output, expected) and torch.equal(keys, expected_keys)
