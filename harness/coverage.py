@@ -598,7 +598,7 @@ def headline(results: list[Coverage]) -> str:
               f"({', '.join(without_adds) or 'none'}). The others, with the adds fused of those next to a norm: "
               f"{'; '.join(partly) or 'none'}. Each add left apart is named by its line in the modeling code (with how "
               "many times a forward runs it): there the add and the norm are not in one of the patterns "
-              "`hf_rmsnorm/patch/derived.py` rewrites (a scaled add through a function, a norm inside a gated "
+              "`hf_rmsnorm/patch/derived_sites.py` finds (a scaled add through a function, a norm inside a gated "
               "wrapper, an add between two stacks, a model loop that touches the hidden states between layers); "
               "the patch report's skipped modules give the layers' side.")
     fewer = [f"{r.model_type} ({', '.join(r.fuses_fewer_than_eager())}; {r.adds_fused_in_forward} eagerly)"

@@ -31,7 +31,7 @@ class FamilyCase:
     ``norms`` patched and ``adds`` fused by a plain ``patch_model``; ``mode`` the casting mode its norms are
     recognised in (docs/numerics.md's table; None: not checked); ``parallel``: a parallel block (one add per layer,
     into the next norm's kernel); ``derived_forward``: its layers fused through the forward derived from their own
-    code (``hf_rmsnorm.patch.derived``), no registered shape fitting them.
+    code (``hf_rmsnorm.patch.derived_rewrite``), no registered shape fitting them.
     """
 
     model_type: str
@@ -116,7 +116,7 @@ CASES: dict[str, FamilyCase] = {
     # LayerNorm decoders: the norms patched are the LayerNorms on the residual stream, two layers of (norms per
     # layer) plus the final norm. The sequential pre-LN blocks fit the generic layer body (the attention add
     # always, the MLP add in inference), the parallel blocks the generic parallel body (their one add, in
-    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived.py);
+    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived_*.py);
     # Falcon's and OPT's keep their forward (their adds are followed by an `if`, no norm).
     "gpt2": FamilyCase("gpt2", {LAYERNORM}, dict(n_embd=64, n_layer=2, n_head=4, n_positions=64), norms=5, adds=4),
     "gpt_neox": FamilyCase("gpt_neox", {LAYERNORM}, NEOX_SHAPE, norms=5, adds=2, parallel=True),

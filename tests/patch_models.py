@@ -145,8 +145,8 @@ def without_layer_fusion(monkeypatch, layers: dict | None = None) -> None:
                                                               else full.stacks))
     monkeypatch.setattr(patcher, "recognised_layer_kinds", lambda cls: ())
     monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
-    monkeypatch.setattr(patcher.derived, "stack_kind", lambda cls: None)
-    monkeypatch.setattr(patcher.derived, "module_calls", lambda forward: frozenset())
+    monkeypatch.setattr(patcher.derived_loops, "stack_kind", lambda cls: None)
+    monkeypatch.setattr(patcher.derived_sites, "module_calls", lambda cls: frozenset())
 
 
 

@@ -16,7 +16,7 @@ from .families import Registry
 from .fused import base_class
 
 # Class-name endings of the decoder layers and stacks of no registered family: layers are recognised by their code
-# (``recognition.py``) or given a derived forward (``derived.py``), stacks recognised or read from their code.
+# (``recognition.py``) or given a derived forward (``derived_rewrite.py``), stacks recognised or read from their code.
 DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
 STACK_SUFFIXES = ("Model", "Decoder", "Encoder", "Transformer", "Stack")
 

@@ -127,7 +127,7 @@ class LayerKind:
         """The token mixer a hybrid layer runs for ``switch_value``, None for an unknown value."""
         return next((m for m in self.mixers if m.switch_value == switch_value), None)
 
-    # What the planner asks of every layer kind (``derived.DerivedLayerKind`` answers it too).
+    # What the planner asks of every layer kind (``derived_sites.DerivedLayerKind`` answers it too).
     @property
     def fuses_inside(self) -> bool:
         """Whether the layer fuses a residual add into one of its own norms."""
@@ -186,7 +186,7 @@ class StackKind:
     """A module whose forward runs ``for layer in layers[:n]: h = layer(h, ...)`` and then ``final_norm(h)``
     with nothing else touching ``h``: the MLP residual add of layer ``i`` may then be fused with the input norm
     of layer ``i + 1`` (or the final norm; None for a stack whose last layer's output goes elsewhere, as a stack
-    derived from its code may have: ``derived.stack_kind``). ``stream`` is set for LayerNorm families."""
+    derived from its code may have: ``derived_loops.stack_kind``). ``stream`` is set for LayerNorm families."""
 
     class_path: str
     layers: str = "layers"

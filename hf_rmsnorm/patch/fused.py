@@ -1,5 +1,5 @@
 """The fused behaviour of patched modules: norms that take a residual, decoder layers that run the fused body of
-their shape (``shapes.py``) or the forward derived from their code (``derived.py``), and stacks whose derived
+their shape (``shapes.py``) or the forward derived from their code (``derived_rewrite.py``), and stacks whose derived
 forward lets each layer hand the next norm's output on (``handoff.py``).
 
 A patched module keeps its object, parameters and attribute paths; only its class changes, to a subclass of
@@ -14,14 +14,15 @@ each layer to the next norm live on the stack that owns both.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
 from torch import Tensor, nn
 
 from ..ops.functional import BoundNorm, bound_norm
-from . import derived, handoff
-from .derived import DerivedLayerKind
+from . import derived_rewrite, handoff
+from .derived_sites import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
 
 _FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind], type] = {}
@@ -52,19 +53,24 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
                 forward=_forward_like(_stack_forward, base.forward),
                 _hf_rmsnorm_checked_forward=staticmethod(base.forward),
                 _hf_rmsnorm_derived_forward=staticmethod(
-                    derived.fused_stack_forward(base, kind.layers, kind.final_norm)),
+                    derived_rewrite.fused_stack_forward(base, kind.layers, kind.final_norm)),
             )
         else:
-            # GradientCheckpointingLayer wraps this forward, so what it passes the body is a checkpoint's input.
+            # GradientCheckpointingLayer wraps this forward, so what it passes the body is a checkpoint's input. The
+            # body was made for the class forward then checked: one replaced later runs instead, unfused.
             namespace["forward"] = _forward_like(_layer_forward, base.forward)
+            namespace["_hf_rmsnorm_checked_forward"] = staticmethod(base.forward)
             if isinstance(kind, DerivedLayerKind):
-                namespace["_hf_rmsnorm_body"] = staticmethod(derived.fused_forward(base, kind))
+                namespace["_hf_rmsnorm_body"] = staticmethod(derived_rewrite.fused_forward(base, kind))
             else:
                 namespace["_hf_rmsnorm_body"] = staticmethod(kind.shape.body)
                 # The original's own argument names (the cache one changed across transformers releases):
                 # positional arguments go on to the attention under these, as the original passes them.
                 namespace["_hf_rmsnorm_arg_names"] = layer_arg_names(base)[1:]
         cls = _FUSED[(base, kind)] = type(base.__name__, (base,), namespace)
+        # The forward as installed (transformers may wrap it when the class is made): one another library sets on
+        # the class later is not this one (``handoff`` then makes the plain calls).
+        cls._hf_rmsnorm_forward = cls.__dict__["forward"]
     return cls
 
 
@@ -164,12 +170,23 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
 
 def _layer_forward(self, *args, **kwargs):
     """The layer's fused body (its shape's, or the forward derived from its code), given what the derived stack
-    loop hands it and asks of it (``handoff.run_layer``)."""
-    return handoff.run_layer(type(self)._hf_rmsnorm_body, self, args, kwargs)
+    loop hands it and asks of it (``handoff.run_layer``); the layer class's forward itself, unfused, if it was
+    replaced since patching (another library's wrapper: it runs, as on the unpatched layer)."""
+    cls = type(self)
+    forward = cls._hf_rmsnorm_base.forward
+    if forward is not cls._hf_rmsnorm_checked_forward:
+        return handoff.run_layer(functools.partial(_unfused_body, forward), self, args, kwargs)
+    return handoff.run_layer(cls._hf_rmsnorm_body, self, args, kwargs)
+
+
+def _unfused_body(forward, layer, *args, _hf_rmsnorm_call: handoff.LayerCall | None = None, **kwargs):
+    """``forward`` as a body: the normed input the loop hands it is not used (its input norm runs) and it hands
+    nothing on (``handoff.run_layer`` returns no normed output then)."""
+    return forward(layer, *args, **kwargs)
 
 
 def _stack_forward(self, *args, **kwargs):
-    """The stack's forward derived from its own (``derived.fused_stack_forward``), whose loop hands each layer's
+    """The stack's forward derived from its own (``derived_rewrite.fused_stack_forward``), whose loop hands each layer's
     normed output on; the stack class's forward itself, unfused, if it was replaced since patching."""
     cls = type(self)
     forward = cls._hf_rmsnorm_base.forward

@@ -1,7 +1,7 @@
 """Cross-layer fusion as data flow: layer ``i``'s last residual add computed by the next norm's kernel, whose
 normed output reaches that norm's reader as an argument.
 
-The stack's forward is derived from its own code (``derived.fused_stack_forward``): its loop over the layers
+The stack's forward is derived from its own code (``derived_rewrite.fused_stack_forward``): its loop over the layers
 calls ``call_layer`` for each layer, with the layer the loop calls next. Where the stack links the layer to the
 next norm (``NextNorm``: layer ``i + 1``'s input norm, or the final norm after the last layer) and nothing else
 watches them (``foreign_code``), the layer is called with a private keyword, ``KWARG = (next norm, receives)``:
@@ -191,9 +191,10 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
 
 
 def _fused_layer(module: nn.Module) -> bool:
-    # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward, with no
-    # accelerate hook.
-    return "_hf_rmsnorm_base" in type(module).__dict__ and not (
+    # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward as installed
+    # (no wrapper set on the class since), with no accelerate hook.
+    cls = type(module).__dict__
+    return "_hf_rmsnorm_base" in cls and cls["forward"] is cls["_hf_rmsnorm_forward"] and not (
         "forward" in module.__dict__ or "_hf_hook" in module.__dict__)
 
 

@@ -62,8 +62,12 @@ def hub_forward(module: nn.Module) -> types.MethodType | None:
 
 
 def function_path(function: object) -> str:
+    """Where ``function`` (or a bound method's) really comes from: its code's qualified name in its globals' module
+    (``functools.wraps`` copies ``__module__`` and ``__qualname__``, not these); a callable object's class."""
     function = getattr(function, "__func__", function)
-    return f"{getattr(function, '__module__', None)}.{getattr(function, '__qualname__', type(function).__qualname__)}"
+    if isinstance(function, types.FunctionType):
+        return f"{function.__globals__.get('__name__')}.{function.__code__.co_qualname}"
+    return f"{type(function).__module__}.{type(function).__qualname__}"
 
 
 # transformers' tensor-parallel plans (``from_pretrained(tp_plan=...)``) give a planned module a style of

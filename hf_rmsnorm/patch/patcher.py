@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import backend
-from . import derived, fused
+from . import derived_loops, derived_sites, derived_source, fused
 from .classify import Role, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
@@ -52,6 +52,13 @@ class _Plan:
     # The planned modules whose hub-kernel forward (``instance_forwards.hub_forward``) patching sets aside.
     hub_forwards: dict[nn.Module, types.MethodType] = field(default_factory=dict)
     already_patched: int = 0
+    # ``_class_problem`` of each class met, worked out once for this plan (it compiles the forward's source).
+    class_problems: dict[type, str | None] = field(default_factory=dict)
+
+    def class_problem(self, cls: type) -> str | None:
+        if cls not in self.class_problems:
+            self.class_problems[cls] = _class_problem(cls)
+        return self.class_problems[cls]
 
 
 def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
@@ -279,6 +286,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     layers, unmatched = _plan_layers(layer_candidates, norms, plan)
     _plan_derived_layers(unknown_layers + unmatched, norms, layers, plan)
     _plan_handoffs(stacks, layers, norms, plan)
+    _report_unread_stacks(stacks, layers, plan)
     _unplan_layers_fusing_nothing(layers, plan)
     _plan_hub_forwards(plan)
     return plan
@@ -316,7 +324,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             plan.report.skipped.append((name, layernorms.skipped[module]))
         elif role is Role.REGISTERED_NORM or module in layernorms.norms:
             family, kind = layernorms.norms[module] if module in layernorms.norms else reg.norms[cls]
-            problem = _class_problem(cls) or _norm_attribute_problem(module, kind) or instance_problem(module)
+            problem = plan.class_problem(cls) or _norm_attribute_problem(module, kind) or instance_problem(module)
             if not problem and module not in layernorms.norms:
                 # nn.LayerNorm's forward is torch's own; a registered class's is checked against its entry.
                 problem = recogniser.registry_problem(module, kind, model_dtype)
@@ -346,7 +354,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
                 unknown_layers.append((name, module, None))
         elif role is Role.STACK and (recognised_stack := recognised_stack_kind(cls)):
             stacks.append((name, module, recognised_stack[1]))
-        elif role is Role.STACK and (derived_stack := derived.stack_kind(cls)):
+        elif role is Role.STACK and (derived_stack := derived_loops.stack_kind(cls)):
             stacks.append((name, module, derived_stack))
     return norms, layer_candidates, stacks, unknown_layers
 
@@ -354,35 +362,42 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
 def _plan_derived_layers(
     candidates: list[tuple[str, nn.Module, str | None]],
     norms: dict[nn.Module, str],
-    layers: dict[nn.Module, tuple[str, LayerKind | derived.DerivedLayerKind]],
+    layers: dict[nn.Module, tuple[str, LayerKind | derived_sites.DerivedLayerKind]],
     plan: _Plan,
 ) -> None:
     """Plans the decoder layers of no known shape whose forward has residual adds next to their patched norms
-    (``derived.py``); reports why each other layer with a patched norm keeps its adds unfused (``candidates``
-    carry why no registered kind fitted, if one was tried)."""
+    (``derived_sites.py``); reports why each other layer with a patched norm keeps its adds unfused (``candidates``
+    carry why no registered kind fitted, if one was tried), and why a layer keeps some of its adds unfused."""
+    calls: dict[type, frozenset[tuple[str, ...]]] = {}
+    codes: dict[tuple[type, frozenset[tuple[str, ...]]], derived_sites.LayerCode | str] = {}
     for name, layer, registered_problem in candidates:
         cls = type(layer)
-        paths = {path: _module_at(layer, path) for path in derived.module_calls(cls.forward)}
+        if cls not in calls:  # the classes' sources are read once for the plan
+            calls[cls] = derived_sites.module_calls(cls)
+        paths = {path: _module_at(layer, path) for path in calls[cls]}
         layer_norms = frozenset(path for path, module in paths.items() if module in norms)
         if not layer_norms:
             if registered_problem or any(child in norms for child in layer.children()):
-                unreadable = derived.layer_code(cls.forward, frozenset())  # why its source gave no calls, if it did
+                unreadable = derived_source.class_forward(cls)  # why its source gave no calls, if it did
                 reason = registered_problem or (unreadable if isinstance(unreadable, str) else
                                                 f"{_class_path(cls)}.forward calls none of its patched norms")
                 plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
-        problem = _class_problem(cls) or instance_problem(layer)
-        code = problem or derived.layer_code(cls.forward, layer_norms)
+        if (cls, layer_norms) not in codes:
+            codes[cls, layer_norms] = derived_sites.layer_code(cls, layer_norms)
+        problem = plan.class_problem(cls) or instance_problem(layer)
+        code = problem or codes[cls, layer_norms]
         if not isinstance(code, str) and not code.sites:
-            code = f"no residual add sits next to a patched norm in {_class_path(cls)}.forward"
+            code = "; ".join(r.text for r in code.refusals) or (
+                f"no residual add sits next to a patched norm in {_class_path(cls)}.forward")
         if not isinstance(code, str):
-            kind = derived.DerivedLayerKind(_class_path(cls), code.sites, code.input_norm)
+            kind = derived_sites.DerivedLayerKind(_class_path(cls), code.sites, code.input_norm, layer_norms)
             try:
                 fused.fused_class(cls, kind)
             except Exception as exc:  # what the derived source cannot compile or decorate is left alone
                 code = f"its derived forward failed to build ({type(exc).__name__}: {exc})"[:300]
         if isinstance(code, str):
-            reason = f"{registered_problem}; {code}" if registered_problem else code
+            reason = f"{registered_problem}; {code}" if registered_problem and registered_problem != code else code
             plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
         layers[layer] = (name, kind)
@@ -390,6 +405,7 @@ def _plan_derived_layers(
         if registered_problem:
             plan.report.skipped.append(
                 (name, f"its forward is derived: no registered shape fits ({registered_problem})"))
+        plan.report.skipped.extend((name, refusal.text) for refusal in code.refusals)
         for site in kind.inner_sites:
             plan.report.fused_adds.append(f"{name}: {site.label} -> {norms[paths[site.norm]]}")
 
@@ -412,7 +428,7 @@ def _plan_layers(
     for name, layer, kinds in candidates:
         problems: dict[str, None] = {}
         for kind in kinds:
-            problem = _class_problem(type(layer)) or _layer_problem(layer, kind, norms) or instance_problem(layer)
+            problem = plan.class_problem(type(layer)) or _layer_problem(layer, kind, norms) or instance_problem(layer)
             if problem is None:
                 break
             problems.setdefault(problem)
@@ -439,7 +455,7 @@ def _plan_handoffs(
         links = _stack_links(stack, kind, layers, norms)
         if not links:
             continue
-        problem = _class_problem(type(stack)) or instance_problem(stack)
+        problem = plan.class_problem(type(stack)) or instance_problem(stack)
         if problem is None:
             try:
                 fused.fused_class(type(stack), kind)
@@ -454,6 +470,28 @@ def _plan_handoffs(
             layer_name, layer_kind = layers[layer]
             plan.report.fused_adds.append(f"{layer_name}: {layer_kind.handoff_label} -> {norms[target.norm]}"
                                           + while_inactive(layer_kind.handoff_dropout))
+
+
+def _report_unread_stacks(
+    stacks: list[tuple[str, nn.Module, StackKind]], layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan
+) -> None:
+    """Reports the stacks whose forward could not be read (its source is not the code running, or another
+    library's wrapper runs) and whose layers would hand their last add on: those handoffs are not planned, and the
+    report says why, once per stack (the nearest stack holding such a layer)."""
+    read = {name for name, _, _ in stacks}
+    holders = {name: module for name, module, role in plan.modules if role is Role.STACK and name not in read}
+    linked = {layer for _, attr, links in plan.attrs if attr == LINKS_ATTR for layer in links}
+    reported: set[str] = set()
+    for layer, (name, kind) in layers.items():
+        if layer in linked or not kind.hands_off_last_add:
+            continue
+        nearest = max((s for s in read | holders.keys() if name.startswith(f"{s}.") or not s), key=len, default=None)
+        if nearest is None or nearest not in holders or nearest in reported:
+            continue
+        reason = derived_source.class_forward(type(holders[nearest]))
+        if isinstance(reason, str):
+            reported.add(nearest)
+            plan.report.skipped.append((nearest, f"residual adds across layers not fused: {reason}"))
 
 
 def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan) -> None:
@@ -498,14 +536,9 @@ def _stack_links(
 
 
 def _class_problem(cls: type) -> str | None:
-    """A known class whose forward another library replaced is no longer the class the family describes."""
-    forward = inspect.unwrap(cls.forward)
-    if forward.__module__ != cls.__module__ or forward.__qualname__ != f"{cls.__qualname__}.forward":
-        return (
-            f"{cls.__name__}.forward was replaced by {forward.__module__}.{forward.__qualname__}; "
-            "patch_model only patches the forward transformers defines"
-        )
-    return None
+    """A known class whose forward another library replaced or wrapped is no longer the class the family
+    describes (``derived_source.foreign_forward``)."""
+    return derived_source.foreign_forward(cls)
 
 
 def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:

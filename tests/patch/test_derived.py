@@ -1,6 +1,7 @@
-"""Fused forwards derived from a layer's own code (``hf_rmsnorm.patch.derived``): the patterns it rewrites and
+"""Fused forwards derived from a layer's own code (``hf_rmsnorm.patch.derived_*``): the patterns it rewrites and
 those it must leave alone, the guards that keep a rewritten add exact, and the model types it newly fuses, each
-a tiny model of transformers' own classes compared with its eager self, with an fp64 copy and in training."""
+a tiny model of transformers' own classes compared with its eager self, with an fp64 copy and in training. (The
+soundness invariants' toys: ``test_derived_soundness.py``; the source checks: ``test_derived_source.py``.)"""
 
 from __future__ import annotations
 
@@ -12,40 +13,17 @@ import pickle
 
 import pytest
 import torch
-from torch import nn
 from transformers import CONFIG_MAPPING
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from derived_toys import ToyDecoderLayer, ToyModel, sites, stack_layout, states, toy_model
 from family_cases import CASES, DERIVED, names
 from harness import residual_census
 from patch_models import Parity, assert_patch_keeps_greedy_tokens
 from hf_rmsnorm import check_model, patch_model, unpatch_model
-from hf_rmsnorm.patch import derived, fused, handoff
-from hf_rmsnorm.patch.derived import AddSite
-
-HIDDEN = 48
+from hf_rmsnorm.patch import derived_rewrite, derived_runtime, derived_sites, fused, handoff
+from hf_rmsnorm.patch.derived_sites import AddSite
 
 # ----------------------------------------------------------------------------------- toy layers and stacks
-
-
-class ToyDecoderLayer(nn.Module):
-    """A pre-norm layer of no registered shape: its second norm nested in the MLP call, a scaled branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.input_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
-        self.post_attention_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
-        self.mixer = nn.Linear(HIDDEN, HIDDEN)
-        self.mlp = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
-        hidden_states = residual + self.mixer(hidden_states) * scale
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        hidden_states = residual + hidden_states
-        return hidden_states
 
 
 class ToyPostNormDecoderLayer(ToyDecoderLayer):
@@ -62,42 +40,9 @@ class ToyPostNormDecoderLayer(ToyDecoderLayer):
         return hidden_states
 
 
-class ToyModel(nn.Module):
-    def __init__(self, layer: type, n_layers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layer() for _ in range(n_layers))
-        self.norm = LlamaRMSNorm(HIDDEN, eps=1e-6)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_states = layer(hidden_states)
-        hidden_states = self.norm(hidden_states)
-        return hidden_states
-
-
-def _toy(layer: type = ToyDecoderLayer, dtype: torch.dtype = torch.float32) -> ToyModel:
-    torch.manual_seed(0)
-    model = ToyModel(layer)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.5)  # trained-like: a wrong casting order would show, as ones would not
-    return model.to(dtype).eval()
-
-
-def _states(dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(2, 5, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
-
-
-def _sites(cls: type, norms=("input_layernorm", "post_attention_layernorm")) -> tuple[AddSite, ...]:
-    code = derived.layer_code(cls.forward, frozenset((n,) for n in norms))
-    assert not isinstance(code, str), code
-    return code.sites
-
-
 def test_a_toy_layer_fuses_its_adds_and_hands_its_output_to_the_next_norm():
-    model = _toy()
-    x = _states()
+    model = toy_model()
+    x = states()
     with torch.no_grad():
         expected = model(x)
         report = patch_model(model)
@@ -116,13 +61,13 @@ def test_a_toy_layer_fuses_its_adds_and_hands_its_output_to_the_next_norm():
 
 def test_post_norm_adds_and_an_output_add_inside_an_if_are_found():
     lines = ToyPostNormDecoderLayer.forward.__code__.co_firstlineno
-    assert _sites(ToyPostNormDecoderLayer) == (
+    assert sites(ToyPostNormDecoderLayer) == (
         AddSite("after", ("input_layernorm",), lines + 4),
         AddSite("after", ("post_attention_layernorm",), lines + 5),
         AddSite("output", (), lines + 7),
     )
-    model = _toy(ToyPostNormDecoderLayer)
-    x = _states()
+    model = toy_model(ToyPostNormDecoderLayer)
+    x = states()
     with torch.no_grad():
         expected = model(x)
         patch_model(model)
@@ -148,15 +93,15 @@ class _Unfusable(ToyDecoderLayer):
 
 
 def test_patterns_that_would_change_the_function_are_left_alone():
-    assert _sites(_Unfusable) == ()
+    assert sites(_Unfusable) == ()
 
 
 def test_only_norm_calls_count_and_the_input_norm_must_come_first():
-    code = derived.layer_code(ToyDecoderLayer.forward, frozenset({("post_attention_layernorm",)}))
+    code = derived_sites.layer_code(ToyDecoderLayer, frozenset({("post_attention_layernorm",)}))
     # mixer and mlp are no norms; the input norm is not one of the given norms either.
     assert [s.position for s in code.sites] == ["before", "output"]
     assert code.input_norm is None
-    assert derived.layer_code(ToyDecoderLayer.forward, frozenset({("input_layernorm",)})).input_norm == (
+    assert derived_sites.layer_code(ToyDecoderLayer, frozenset({("input_layernorm",)})).input_norm == (
         "input_layernorm")
 
 
@@ -233,11 +178,11 @@ class _TupleModel(ToyModel):
 
 
 def test_a_layer_returning_a_tuple_hands_its_output_on_and_keeps_its_other_items():
-    assert derived.stack_layout(_TupleModel.forward) == ("layers", "norm")
-    assert [site.in_tuple for site in _sites(ToyTupleDecoderLayer) if site.position == "output"] == [True]
+    assert stack_layout(_TupleModel) == ("layers", "norm")
+    assert [site.in_tuple for site in sites(ToyTupleDecoderLayer) if site.position == "output"] == [True]
     torch.manual_seed(0)
     model = _TupleModel(ToyTupleDecoderLayer).eval()
-    x = _states()
+    x = states()
     with torch.no_grad():
         expected, expected_extras = model(x)
         report = patch_model(model)
@@ -254,13 +199,13 @@ def test_a_layer_returning_a_tuple_hands_its_output_on_and_keeps_its_other_items
 def test_model_loops_are_followed_to_the_end_of_the_forward():
     """The final norm is linked only where every loop's output reaches it untouched or never reaches anything
     again (copied out, rebound): xLSTM's chunked and whole-stream loops."""
-    assert derived.stack_layout(ToyModel.forward) == ("layers", "norm")
-    assert derived.stack_layout(_ChunkedModel.forward) == ("layers", "norm")
-    assert derived.stack_layout(_EditedModel.forward) == ("layers", None)
-    assert derived.stack_layout(_RereadModel.forward) == ("layers", None)
+    assert stack_layout(ToyModel) == ("layers", "norm")
+    assert stack_layout(_ChunkedModel) == ("layers", "norm")
+    assert stack_layout(_EditedModel) == ("layers", None)
+    assert stack_layout(_RereadModel) == ("layers", None)
     torch.manual_seed(0)
     model = _ChunkedModel(ToyDecoderLayer).eval()
-    x = _states()
+    x = states()
     with torch.no_grad():
         expected = [model(x), model(x, chunk=2)]
         assert len(patch_model(model).fused_adds) == 4
@@ -271,8 +216,8 @@ def test_model_loops_are_followed_to_the_end_of_the_forward():
 def test_a_broadcast_operand_or_a_hooked_norm_runs_the_original_expression():
     """The helpers evaluate the original expression whenever the kernel would not compute it: here a norm with a
     hook (which must see the sum, as in the unpatched model) and a residual that broadcasts."""
-    model = _toy()
-    x = _states()
+    model = toy_model()
+    x = states()
     seen = []
     with torch.no_grad():
         expected = model(x)
@@ -284,18 +229,18 @@ def test_a_broadcast_operand_or_a_hooked_norm_runs_the_original_expression():
         assert len(seen) == 1 and seen[0].shape == x.shape
         norm = model.layers[0].post_attention_layernorm
         row = x[:1, :1]
-        normed, total = derived.norm_of_sum(norm, row, x)
+        normed, total = derived_runtime.norm_of_sum(norm, row, x)
         assert torch.equal(total, row + x)
         torch.testing.assert_close(normed, norm(row + x), rtol=0, atol=0)
 
 
 def test_a_patched_toy_model_copies_pickles_and_trains_like_the_original():
-    model = _toy().train()
+    model = toy_model().train()
     patched = copy.deepcopy(model)
     assert len(patch_model(patched).fused_adds) == 4
     restored = pickle.loads(pickle.dumps(patched))
     assert type(restored.layers[0]).forward is type(patched.layers[0]).forward
-    x = _states().requires_grad_()
+    x = states().requires_grad_()
     grads = []
     for m in (model, patched, restored):
         x.grad = None
@@ -310,9 +255,9 @@ def test_a_patched_toy_model_copies_pickles_and_trains_like_the_original():
 def test_the_derived_forward_keeps_the_decorators_signature_and_source():
     from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeDecoderLayer
 
-    sites = _sites(GraniteMoeDecoderLayer)
-    kind = derived.DerivedLayerKind("x", sites, "input_layernorm")
-    forward = derived.fused_forward(GraniteMoeDecoderLayer, kind)
+    kind = derived_sites.DerivedLayerKind("x", sites(GraniteMoeDecoderLayer), "input_layernorm",
+                                          frozenset({("input_layernorm",), ("post_attention_layernorm",)}))
+    forward = derived_rewrite.fused_forward(GraniteMoeDecoderLayer, kind)
 
     # The layer's forward has the original's signature; the derived body it calls takes the handoff's call too.
     signature = inspect.signature(GraniteMoeDecoderLayer.forward)
@@ -457,22 +402,3 @@ def test_torch_compile_fullgraph_of_a_derived_model(model_type):
         got = compiled(ids, use_cache=False).logits.double()
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
-
-def test_a_layer_whose_source_changed_on_disk_keeps_its_adds_with_the_reason(tmp_path, monkeypatch):
-    """The source read must be the code running: a layer whose file no longer holds its code (edited since it was
-    imported) is not derived from, and the report says why."""
-    model = _toy()
-    source = inspect.getsource(ToyDecoderLayer.forward).replace("* scale", "* scale * 2")
-    monkeypatch.setattr(derived.inspect, "getsource", lambda obj: source)
-    derived.layer_code.cache_clear()
-    derived.module_calls.cache_clear()
-    derived.stack_layout.cache_clear()
-    try:
-        report = patch_model(model)
-    finally:
-        derived.layer_code.cache_clear()
-        derived.module_calls.cache_clear()
-        derived.stack_layout.cache_clear()
-    assert report.fused_adds == []
-    assert dict(report.skipped)["layers.0"].endswith(
-        "on disk is not the code running (its file changed since it was imported)")

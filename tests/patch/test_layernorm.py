@@ -434,7 +434,7 @@ def test_sequential_blocks_fuse_their_residual_adds(family):
 
 
 def test_gpt2_with_cross_attention_fuses_through_its_derived_forward():
-    """GPT-2 with cross-attention is more than the registered block: its own forward, derived (``derived.py``),
+    """GPT-2 with cross-attention is more than the registered block: its own forward, derived (``derived_rewrite.py``),
     runs the cross-attention as written and hands its output add to the next norm."""
     model = tiny("gpt2", add_cross_attention=True)
     x = ids(seed=4)

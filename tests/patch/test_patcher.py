@@ -442,7 +442,7 @@ def test_a_parallel_layer_no_known_model_forward_runs_keeps_its_class_and_says_w
     full = registry()  # after the model is built: the registry holds the classes of imported modeling modules
     monkeypatch.setattr(patcher, "registry", lambda: Registry(full.norms, full.layers, {}))
     monkeypatch.setattr(patcher, "recognised_stack_kind", lambda cls: None)
-    monkeypatch.setattr(patcher.derived, "stack_kind", lambda cls: None)
+    monkeypatch.setattr(patcher.derived_loops, "stack_kind", lambda cls: None)
     report = patch_model(model)
     assert len(report.norms) == CASES["cohere"].norms and not report.fused_adds
     assert all(fused.original_class(layer) is None for layer in model.model.layers)

@@ -1,0 +1,197 @@
+"""The derived forwards: a layer's or a stack's forward with the sites its analysis found rewritten into the
+fused calls (``derived_sites.py`` and ``derived_loops.py`` say which, and why that is exact), compiled as its class
+body compiled the original and decorated as it is (``derived_source.py``), calling ``derived_runtime``'s helpers.
+
+Every node a rewrite creates carries the full location (lines and columns) of the code it stands for: a helper
+call and its assignment the add's, the name that replaces a norm call that call's, a layer loop's parts the
+loop's. So tracebacks, ``dis`` and the source annotations of ``torch.export`` name the add's own line.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from torch import Tensor
+
+from . import derived_runtime, derived_source, handoff
+from .derived_loops import StackLoop, stack_layout, stack_loops
+from .derived_sites import AfterPlan, BeforePlan, DerivedLayerKind, OutputPlan, analysed, signature_problem
+from .derived_syntax import located, self_name
+
+# The local a ``before`` rewrite keeps the normed sum in until its consumer ran (then deleted: it is freed as the
+# original's temporary is).
+_NORMED = "_hf_rmsnorm_normed_"
+# The local a derived stack forward keeps what its last layer call handed on in (``handoff.call_layer``).
+_HANDED = "_hf_rmsnorm_handed"
+
+
+def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
+    """``base.forward`` with ``kind.sites`` rewritten and its input norm reading what a previous layer hands on,
+    taking the ``handoff.LayerCall`` as the keyword ``handoff.CALL_PARAM``; decorated as the original is.
+
+    Raises:
+        ValueError: the source cannot be derived from, or a site or the input norm of ``kind`` is not in it (any
+            more).
+    """
+    forward = _class_forward(base)
+    function = forward.node
+    problem = signature_problem(function)
+    if problem is not None:
+        raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {problem}")
+    analysis = analysed(forward, function, kind.norms)
+    plans = {plan.site: plan for plan in analysis.plans}
+    missing = [site.label for site in kind.sites if site not in plans]
+    if missing:
+        raise ValueError(f"{base.__qualname__}.forward has no {', '.join(missing)}")
+    found = analysis.input_norm.norm if analysis.input_norm is not None else None
+    if kind.input_norm is not None and found != kind.input_norm:
+        raise ValueError(f"{base.__qualname__}.forward no longer applies {kind.input_norm} to its input first")
+    frees: list[tuple[list[ast.stmt], ast.stmt, str]] = []
+    for site in kind.sites:
+        plan = plans[site]
+        if isinstance(plan, BeforePlan):
+            frees.append(_rewrite_before(plan))
+        elif isinstance(plan, AfterPlan):
+            _rewrite_after(plan)
+        else:
+            _rewrite_output(plan)
+    for statements, consumer, normed in frees:  # after every rewrite by index: these insert statements
+        if not isinstance(consumer, ast.Return):
+            position = next(k for k, s in enumerate(statements) if s is consumer)
+            statements.insert(position + 1, located(ast.Delete([ast.Name(normed, ast.Del())]), consumer))
+    if kind.input_norm is not None:
+        for call in analysis.input_norm.calls:
+            _replace(function, call, located(_handed_norm_call("input_norm", handoff.CALL_PARAM, call), call))
+    function.args.kwonlyargs.append(located(ast.arg(handoff.CALL_PARAM), function))
+    function.args.kw_defaults.append(located(ast.Constant(None), function))
+    return derived_source.compile_forward(forward, function, derived_runtime)
+
+
+def _rewrite_before(plan: BeforePlan) -> tuple[list[ast.stmt], ast.stmt, str]:
+    """``s = a + b`` -> ``normed, s = norm_of_sum(F, a, b)``, and ``F(s)`` in the consumer -> ``normed``; returns
+    what to free after the consumer."""
+    add = plan.add
+    normed = f"{_NORMED}{add.lineno}_{add.col_offset}"
+    targets = ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(plan.total, ast.Store())], ast.Store())
+    plan.statements[plan.index] = located(
+        ast.Assign([targets], _helper_call("norm_of_sum", plan.call.func, add.left, add.right)), add)
+    _replace(plan.consumer, plan.call, located(ast.Name(normed, ast.Load()), plan.call))
+    return plan.statements, plan.consumer, normed
+
+
+def _rewrite_after(plan: AfterPlan) -> None:
+    """``s = r + F(e)`` (or ``return ...``) -> ``s = norm_then_add(F, e, r)``; ``y = F(e)`` -> ``pass``."""
+    value = _helper_call("norm_then_add", plan.call.func, plan.call.args[0], plan.residual)
+    statement = ast.Return(value) if plan.total is None else ast.Assign([ast.Name(plan.total, ast.Store())], value)
+    plan.statements[plan.index] = located(statement, plan.add)
+    if plan.dropped is not None:
+        plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
+
+
+def _rewrite_output(plan: OutputPlan) -> None:
+    """``a + b`` -> ``stream_sum(call, a, b)``, where the layer returns it."""
+    add = plan.add
+    plan.statement.value = located(
+        _helper_call("stream_sum", ast.Name(handoff.CALL_PARAM, ast.Load()), add.left, add.right), add)
+
+
+def fused_stack_forward(base: type, layers: str, final_norm: str | None) -> Callable[..., object]:
+    """``base.forward`` (a forward of ``derived_loops``' form running ``self.<layers>`` then
+    ``self.<final_norm>``) with each loop over the layers calling ``handoff.call_layer`` and the final norm
+    reading what the last layer hands on (``handoff.py``); decorated as the original is::
+
+        for layer in self.layers[...]:
+            h = layer(h, ...)
+        h = self.norm(h)
+
+    becomes::
+
+        _hf_rmsnorm_handed = None
+        for layer, _hf_rmsnorm_next_<line> in _hf_rmsnorm_derived.layers_with_next(self.layers[...]):
+            h, _hf_rmsnorm_handed = _hf_rmsnorm_derived.call_layer(
+                self, layer, _hf_rmsnorm_next_<line>, True, _hf_rmsnorm_handed, h, ...)
+        h = _hf_rmsnorm_derived.final_norm(_hf_rmsnorm_handed, self.norm, h, h)
+
+    (``True``: the loop's output goes to the final norm; a loop whose output is copied out says False, so its last
+    layer hands nothing on). What is handed on is reset before every loop and read only by the module it was made
+    for.
+
+    Raises:
+        ValueError: the source cannot be derived from, or its loops are not of that form (any more).
+    """
+    forward = _class_forward(base)
+    function = forward.node
+    loops = stack_loops(forward, function)
+    if stack_layout(loops) != (layers, final_norm):
+        raise ValueError(f"{base.__qualname__}.forward does not run self.{layers} then "
+                         f"{'no final norm' if final_norm is None else f'self.{final_norm}'} as read when patching")
+    final_calls: dict[int, ast.Call] = {}
+    for loop in loops:
+        feeds_final_norm = final_norm is not None and loop.final_norm == final_norm
+        _rewrite_loop(loop, self_name(function), feeds_final_norm)
+        if feeds_final_norm:
+            final_calls.update((id(call), call) for call in loop.final.calls)
+    for call in final_calls.values():
+        _replace(function, call, located(_handed_norm_call("final_norm", _HANDED, call), call))
+    body = function.body
+    has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    body.insert(int(has_docstring), located(_handed_reset(), body[int(has_docstring)]))
+    return derived_source.compile_forward(forward, function, derived_runtime)
+
+
+def _rewrite_loop(loop: StackLoop, self_name_: str, feeds_final_norm: bool) -> None:
+    """``fused_stack_forward``'s rewrite of one loop: iterated with the next layer, its layer called through
+    ``call_layer``, what is handed on reset before it."""
+    following = f"_hf_rmsnorm_next_{loop.loop.lineno}"
+    statement = loop.loop
+    if isinstance(statement.iter, ast.Call):  # enumerate(self.<layers>[...]): (i, layer)
+        iterated, target = statement.iter.args[0], statement.target.elts[1]
+        statement.iter.args[0] = located(_helper_call("layers_with_next", iterated), iterated)
+        statement.target.elts[1] = located(ast.Tuple([target, ast.Name(following, ast.Store())], ast.Store()), target)
+    else:
+        iterated, target = statement.iter, statement.target
+        statement.iter = located(_helper_call("layers_with_next", iterated), iterated)
+        statement.target = located(ast.Tuple([target, ast.Name(following, ast.Store())], ast.Store()), target)
+    call = loop.call.value
+    loop.call.value = located(_helper_call(
+        "call_layer", ast.Name(self_name_, ast.Load()), call.func, ast.Name(following, ast.Load()),
+        ast.Constant(feeds_final_norm), ast.Name(_HANDED, ast.Load()), *call.args), call)
+    loop.call.value.keywords = call.keywords
+    target = loop.call.targets[0]
+    loop.call.targets = [located(ast.Tuple([target, ast.Name(_HANDED, ast.Store())], ast.Store()), target)]
+    loop.block.insert(next(i for i, s in enumerate(loop.block) if s is statement), located(_handed_reset(), statement))
+
+
+def _handed_reset() -> ast.Assign:
+    return ast.Assign([ast.Name(_HANDED, ast.Store())], ast.Constant(None))
+
+
+def _handed_norm_call(helper: str, handed: str, call: ast.Call) -> ast.Call:
+    """``_hf_rmsnorm_derived.<helper>(<handed>, self.<norm>, x, x)`` for the norm call ``self.<norm>(x)`` (or
+    ``self.<norm>(x.to(...))``, then its third argument is that)."""
+    argument = call.args[0]
+    read = argument.func.value if isinstance(argument, ast.Call) else argument
+    return _helper_call(helper, ast.Name(handed, ast.Load()), call.func, argument, ast.Name(read.id, ast.Load()))
+
+
+def _helper_call(name: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(ast.Attribute(ast.Name(derived_source.HELPERS, ast.Load()), name, ast.Load()), list(args), [])
+
+
+def _class_forward(base: type) -> derived_source.ClassForward:
+    forward = derived_source.class_forward(base)
+    if isinstance(forward, str):
+        raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {forward}")
+    return forward
+
+
+def _replace(tree: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is old:
+                setattr(parent, field, new)
+            elif isinstance(value, list):
+                for k, item in enumerate(value):
+                    if item is old:
+                        value[k] = new

@@ -1,0 +1,48 @@
+"""What the derived forwards call at every call (``derived_rewrite.py`` compiles them to reach this module as
+``_hf_rmsnorm_derived``): each rewritten add's helper, which checks that the fused kernel computes what the
+original expression does and otherwise evaluates that expression, and the handoff's helpers (``handoff.py``)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from . import guard, handoff
+from .families import NormKind
+
+
+def _fusable(norm: object, a: object, b: object) -> bool:
+    """Whether ``norm``'s fused kernel computes ``norm(a + b)`` (or ``a + norm(b)``) as the original does: a
+    patched norm no hook watches, and two tensors of one shape, class and device (no broadcasting, no DTensor
+    mixed with a tensor)."""
+    return (
+        isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
+        and isinstance(a, Tensor) and isinstance(b, Tensor)
+        and type(a) is type(b) and a.shape == b.shape and a.device == b.device
+        and not guard.watched(norm)
+    )
+
+
+def norm_of_sum(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``(norm(a + b), a + b)``, from one kernel when it can be."""
+    if _fusable(norm, a, b):
+        return norm(b, residual=a)
+    total = a + b
+    return norm(total), total
+
+
+def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + norm(x)``, from one kernel when it can be."""
+    if _fusable(norm, residual, x):
+        return norm(x, add_to=residual)
+    return residual + norm(x)
+
+
+def stream_sum(call: handoff.LayerCall | None, a: Tensor, b: Tensor) -> Tensor:
+    """``a + b``, the layer's output: computed by the next norm's kernel when the derived loop asked for it
+    (``handoff.py``)."""
+    return handoff.add_residual(call, b, a)
+
+
+# The derived forwards call these too, as ``_hf_rmsnorm_derived.<name>`` (``handoff.py`` says what they do).
+input_norm, final_norm = handoff.input_norm, handoff.final_norm
+call_layer, layers_with_next = handoff.call_layer, handoff.layers_with_next

@@ -1,0 +1,511 @@
+"""Where a decoder layer's forward adds next to its norms (``layer_code``), and why rewriting exactly those adds
+into the kernels' fused calls (``derived_rewrite.py``) cannot change what the forward computes.
+
+The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, called with one positional argument)::
+
+    before a norm:  s = a + b; [r = s ...]; ... F(s) ...  ->  normed, s = norm_of_sum(F, a, b); [r = s]; ... normed ...
+    after a norm:   s = r + F(e)  (or F(e) + r)           ->  s = norm_then_add(F, e, r)
+                    y = F(e); s = r + y  (or return r + y) ->  pass; s = norm_then_add(F, e, r)
+    layer output:   s = a + b; return s  (return s, ...)  ->  s = stream_sum(call, a, b); return s
+                    return a + b                          ->  return stream_sum(call, a, b)
+    input norm:     ... F(x) ...  (x the input, or x.to(...)) ->  ... input_norm(call, F, x, x) ...
+
+The output pattern also matches an add ending an ``if`` branch followed by the ``return``; the input norm is the
+norm applied to the input before anything else reads it, in each branch of an ``if`` alike. ``call`` is the
+``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``; the helpers are
+``derived_runtime``'s, and each checks at every call that its kernel computes what the expression does (a patched
+norm no hook watches, two tensors of one shape, type and device), else evaluates the original expression.
+
+**Why a rewrite computes what it replaces.** A rewrite changes when some parts are evaluated, never what they
+compute: the helpers compute the same sums and norms. So it is exact when evaluating those parts at their new
+moment gives the same values, with the same effects in the same order. The argument takes Python's semantics and
+three facts of the models: looking up ``self.<path>`` runs no code of the model and finds the same module
+throughout a statement; a norm does not change its argument; ``r + y`` of two tensors (or a tensor and a number)
+equals ``y + r``. A statement breaking one of the invariants below keeps its add as written, and the report says
+which invariant (``Refusal``); ``tests/patch/test_derived_soundness.py`` breaks each check with a toy layer.
+
+1. *Once, where it is written.* A norm call a rewrite moves or replaces lies in the forward's own scope: not in a
+   lambda, a nested function or class, a comprehension or a generator expression, where it runs later (after its
+   operand was rebound) or any number of times. A moved one (``before``'s) is not conditional either: not in a
+   branch of ``x if c else y`` or a later operand of ``and``/``or``, where the original may not call it at all.
+2. *Nothing runs in between.* ``before`` moves ``F(s)`` from the statement that reads it (the consumer) up to the
+   add. In between there may be only aliases ``r = s`` (bindings, no code) and, in the consumer, only reads of
+   names, constants and their attributes or items evaluated before ``F(s)`` (``self.mlp`` in ``self.mlp(F(s))``): a
+   call or an operator there would now run after the norm, and could change what the norm reads (its weight, a
+   module's state) or see the order. What the consumer evaluates after ``F(s)`` sees the same values either way.
+3. *No operand is rebound.* An operand read at another moment than the original's is a local name that nothing in
+   between can rebind: ``after`` reads its residual ``r`` after the norm's argument ``e`` (``r + F(e)``) or before
+   the norm's call (``y = F(e); s = r + y``), so ``r`` is a name (an attribute or a call could change), bound by no
+   ``:=`` in the statement or in a comprehension, declared ``nonlocal`` by no nested function (which could rebind
+   it when called), declared neither ``global`` nor ``nonlocal`` itself. The name a stack's loop passes from layer to layer (``derived_loops.py``)
+   obeys the same rule. The layer's input, which its input norm's replacement relies on, needs nothing more: the
+   norm must be the first statement naming it, and what could rebind it (a nested function, ``:=``) names it.
+4. *The original's order.* The helpers evaluate their arguments left to right, as the original evaluates its
+   operands: ``norm_of_sum(F, a, b)`` looks ``F`` up first (a lookup runs nothing), then ``a`` and ``b``;
+   ``norm_then_add(F, e, r)`` evaluates ``F`` and ``e`` as ``F(e)`` does, then reads ``r`` (3). The output
+   pattern moves nothing.
+5. *An exception leaves what the original leaves.* An exception the moved norm raises now comes from the add's
+   statement, before the sum is bound: a ``before`` site is not rewritten inside a ``try`` or ``with`` block, whose
+   handler, ``finally`` or context manager could go on and read the sum. An output add inside a ``try`` is not
+   handed on either: its ``finally`` could return something else than the sum.
+6. *A binding removed is read nowhere.* ``y = F(e); s = r + y`` no longer binds ``y``: ``y`` is ``s``, or a local
+   read or deleted nowhere else in the forward (nested scopes included), so its previous binding, which it keeps,
+   is never met.
+7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
+   called, and their ``return`` is not the layer's output.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from dataclasses import dataclass, field
+
+from . import derived_source
+from .derived_syntax import (
+    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents, reads_only,
+    returned_sum, self_name, summed, walrus_targets,
+)
+
+
+@dataclass(frozen=True)
+class AddSite:
+    """A residual add of a layer's forward next to a norm: ``position`` is ``"before"`` (the norm reads the sum),
+    ``"after"`` (the sum adds the norm's output) or ``"output"`` (the layer returns the sum); ``norm`` is the norm's
+    attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file;
+    ``in_tuple``: an output returned first in a tuple (``return s, ...``), not alone."""
+
+    position: str
+    norm: tuple[str, ...]
+    line: int
+    in_tuple: bool = False
+
+    @property
+    def label(self) -> str:
+        where = {"before": "into", "after": "after", "output": "layer output"}[self.position]
+        return f"residual add at line {self.line} ({where}{' ' + '.'.join(self.norm) if self.norm else ''})"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A residual add next to a norm (or an input norm) that a pattern matches but that is left as written, and
+    why: the invariant (module docstring) its statement breaks."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class DerivedLayerKind:
+    """A decoder layer whose fused forward is derived from its class's own forward: ``sites`` are the adds that
+    forward rewrites, ``input_norm`` the dotted path of the norm the forward applies to its input before anything
+    else touches it (where a previous layer may hand its output's norm over), or None; ``norms`` the paths of the
+    patched norms the forward calls (what its analysis was given)."""
+
+    class_path: str
+    sites: tuple[AddSite, ...]
+    input_norm: str | None
+    norms: frozenset[tuple[str, ...]]
+
+    # What the planner asks of every layer kind (as ``families.LayerKind``).
+    handoff_label = "layer output"
+    handoff_dropout = None
+    block = "layer whose one add next to a norm is its output"
+
+    @property
+    def inner_sites(self) -> tuple[AddSite, ...]:
+        return tuple(site for site in self.sites if site.position != "output")
+
+    @property
+    def fuses_inside(self) -> bool:
+        return bool(self.inner_sites)
+
+    @property
+    def hands_off_last_add(self) -> bool:
+        # Returned in one form (a tensor, or first in a tuple): what the derived loop takes the output as.
+        return len({site.in_tuple for site in self.sites if site.position == "output"}) == 1
+
+    @property
+    def returns_tuple(self) -> bool:
+        return any(site.in_tuple for site in self.sites if site.position == "output")
+
+
+@dataclass(frozen=True)
+class LayerCode:
+    """What a forward's source says: its add sites in source order, its input norm, and the adds (or input norm)
+    a pattern matches but an invariant rules out."""
+
+    sites: tuple[AddSite, ...]
+    input_norm: str | None
+    refusals: tuple[Refusal, ...]
+
+
+# ------------------------------------------------------------------------------------- the plans
+
+
+@dataclass(eq=False)
+class BeforePlan:
+    """``s = a + b`` (``statements[index]``), then aliases, then ``consumer`` calling ``call`` = ``F(s)``."""
+
+    site: AddSite
+    statements: list[ast.stmt]
+    index: int
+    add: ast.BinOp
+    total: str
+    consumer: ast.stmt
+    call: ast.Call
+
+
+@dataclass(eq=False)
+class AfterPlan:
+    """``s = r + F(e)`` or ``return r + y`` (``statements[index]``; ``total`` None for a return), ``call`` =
+    ``F(e)`` and ``residual`` = ``r``; ``dropped`` the index of ``y = F(e)`` in the two-statement form."""
+
+    site: AddSite
+    statements: list[ast.stmt]
+    index: int
+    add: ast.BinOp
+    total: str | None
+    call: ast.Call
+    residual: ast.Name
+    dropped: int | None = None
+
+
+@dataclass(eq=False)
+class OutputPlan:
+    """``statement`` (``s = a + b`` or ``return a + b``) holding the layer's output add ``add``."""
+
+    site: AddSite
+    statement: ast.stmt
+    add: ast.BinOp
+
+
+@dataclass(frozen=True)
+class FirstRead:
+    """How names are first read in the statements after a point (``first_read``): never again (``read`` False), by
+    a norm call (``norm`` its dotted path, ``calls`` one per branch of an ``if``), or otherwise (``norm`` None;
+    ``reason`` says why a norm call found first cannot stand in, if that is why)."""
+
+    read: bool
+    norm: str | None = None
+    calls: tuple[ast.Call, ...] = ()
+    reason: str | None = None
+
+
+@dataclass
+class LayerAnalysis:
+    """Everything ``analysed`` finds in one parse of a layer forward: the plans of its add sites, its input norm's
+    calls, the refusals. The plans hold that parse's nodes, which ``derived_rewrite`` rewrites in place."""
+
+    plans: list[BeforePlan | AfterPlan | OutputPlan] = field(default_factory=list)
+    input_norm: FirstRead | None = None
+    refusals: list[Refusal] = field(default_factory=list)
+
+    def code(self) -> LayerCode:
+        norm = self.input_norm.norm if self.input_norm is not None else None
+        return LayerCode(tuple(plan.site for plan in self.plans), norm, tuple(self.refusals))
+
+
+# ------------------------------------------------------------------------------------- entry points
+
+
+def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
+    """The attribute paths of the ``self.<path>(x)`` calls in ``cls``'s forward (empty when no forward may be
+    derived from its source): the planner tells the analysis which of them are patched norms."""
+    forward = derived_source.class_forward(cls)
+    if isinstance(forward, str):
+        return frozenset()
+    name = self_name(forward.node)
+    return frozenset(path for node in ast.walk(forward.node) if (path := module_call(node, name)) is not None)
+
+
+def layer_code(cls: type, norms: frozenset[tuple[str, ...]]) -> LayerCode | str:
+    """The add sites and input norm of ``cls``'s forward, whose calls of ``self.<path>`` for ``path`` in ``norms``
+    are norms; or why no forward may be derived from its source."""
+    forward = derived_source.class_forward(cls)
+    if isinstance(forward, str):
+        return forward
+    problem = signature_problem(forward.node)
+    return problem or analysed(forward, forward.node, norms).code()
+
+
+def signature_problem(function: ast.FunctionDef) -> str | None:
+    if len(function.args.args) < 2:
+        return f"{function.name}({ast.unparse(function.args)}) does not take the hidden states positionally"
+    return None
+
+
+def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
+             norms: frozenset[tuple[str, ...]]) -> LayerAnalysis:
+    """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms."""
+    return _Analysis(function, norms, plain_locals(forward.undecorated.__code__, function)).result
+
+
+def plain_locals(code: types.CodeType, function: ast.FunctionDef) -> frozenset[str]:
+    """The names only the function's own statements can rebind: its locals (``code``'s, captured by a nested scope
+    or not: reading them there changes nothing), but those a nested function rebinds (``nonlocal``), a
+    comprehension binds (``:=`` binds the enclosing function's name) or the function declares ``global`` or
+    ``nonlocal`` (none of its locals then)."""
+    rebound = {name for node in ast.walk(function) if isinstance(node, (ast.Global, ast.Nonlocal))
+               for name in node.names}
+    rebound |= {target for node in ast.walk(function) if isinstance(node, COMPREHENSIONS)
+                for target in walrus_targets(node)}
+    return frozenset(code.co_varnames + code.co_cellvars) - rebound
+
+
+# ------------------------------------------------------------------------------------- the analysis
+
+
+class _Analysis:
+    """Walks a layer forward's statements once, recording each pattern's plan, or its refusal (module
+    docstring)."""
+
+    def __init__(self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> None:
+        self.function, self.norms, self.plain = function, norms, plain
+        self.self_name = self_name(function)
+        self.up = parents(function)
+        self.result = LayerAnalysis()
+        self._block(function.body, None, ())
+        self._input_norm()
+
+    def _refuse(self, site: AddSite, reason: str) -> int:
+        self.result.refusals.append(Refusal(f"{site.label} not fused: {reason}"))
+        return 0
+
+    def _block(self, statements: list[ast.stmt], after: ast.stmt | None, enclosing: tuple[str, ...]) -> None:
+        """Looks at one statement list; ``after`` is the statement that runs once the list ends (the one after an
+        ``if`` whose branch this is), for the output pattern; ``enclosing`` the ``try``/``with`` blocks around it
+        (invariant 5)."""
+        i = 0
+        while i < len(statements):
+            statement = statements[i]
+            following = statements[i + 1] if i + 1 < len(statements) else after
+            i += self._match(statements, i, following, enclosing) or 1
+            if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue  # invariant 7
+            if isinstance(statement, ast.If):
+                self._block(statement.body, following, enclosing)
+                self._block(statement.orelse, following, enclosing)
+                continue
+            inner = enclosing + tuple(kind for kind, types_ in (("try", (ast.Try, ast.TryStar)),
+                                                                ("with", (ast.With, ast.AsyncWith)))
+                                      if isinstance(statement, types_))
+            for name in ("body", "orelse", "finalbody"):
+                nested = getattr(statement, name, None)
+                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
+                    self._block(nested, None, inner)
+            for handler in getattr(statement, "handlers", ()):
+                self._block(handler.body, None, inner)
+
+    def _norm(self, node: ast.AST) -> tuple[str, ...] | None:
+        """The path of ``self.<path>(x)`` when it is one of the norms."""
+        path = module_call(node, self.self_name)
+        return path if path in self.norms else None
+
+    def _match(self, statements: list[ast.stmt], i: int, following: ast.stmt | None,
+               enclosing: tuple[str, ...]) -> int:
+        """Records the pattern starting at ``statements[i]``; returns how many statements it spans, 0 for none."""
+        return (
+            self._before_norm(statements, i, enclosing)
+            or self._after_norm(statements, i)
+            or self._output(statements, i, following, enclosing)
+        )
+
+    def _before_norm(self, statements: list[ast.stmt], i: int, enclosing: tuple[str, ...]) -> int:
+        found = summed(statements[i])
+        if found is None:
+            return 0
+        total, add = found
+        names, j = {total}, i + 1
+        while j < len(statements) and (alias := assigned_name(statements[j])) and (
+            isinstance(statements[j].value, ast.Name) and statements[j].value.id in names
+        ):
+            names.add(alias)
+            j += 1
+        if j == len(statements) or not isinstance(statements[j], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
+            return 0
+        consumer = statements[j]
+        call = next((node for node in ast.walk(consumer) if self._norm(node)
+                     and isinstance(node.args[0], ast.Name) and node.args[0].id == total), None)
+        if call is None:
+            return 0
+        site = AddSite("before", self._norm(call), add.lineno)
+        if enclosing:  # invariant 5
+            return self._refuse(site, f"it sits in a {enclosing[-1]} block, which could go on after the norm "
+                                            "raised and read the sum")
+        where = deferred_by(call, consumer, self.up) or conditional_in(call, consumer, self.up)
+        if where is not None:  # invariant 1
+            return self._refuse(site, f"the norm call sits in {where}: it runs elsewhere than the statement, "
+                                            "or not at all")
+        running = next((e for e in evaluated_before(consumer, call) if not reads_only(e)), None)
+        if running is not None:  # invariant 2
+            return self._refuse(site, f"line {consumer.lineno} evaluates {ast.unparse(running)} before the "
+                                            "norm, which would then run first")
+        self.result.plans.append(BeforePlan(site, statements, i, add, total, consumer, call))
+        return 1
+
+    def _after_norm(self, statements: list[ast.stmt], i: int) -> int:
+        # One statement: s = r + F(e) or s = F(e) + r.
+        found = summed(statements[i])
+        if found is not None:
+            total, add = found
+            for normed, residual in ((add.right, add.left), (add.left, add.right)):
+                if self._norm(normed) is not None:
+                    site = AddSite("after", self._norm(normed), add.lineno)
+                    problem = self._residual_problem(residual, statements[i])
+                    if problem is not None:
+                        return self._refuse(site, problem)
+                    self.result.plans.append(AfterPlan(site, statements, i, add, total, normed, residual))
+                    return 1
+            return 0
+        # Two statements: y = F(e); s = r + y (or return r + y).
+        normed_name = assigned_name(statements[i])
+        if normed_name is None or self._norm(statements[i].value) is None or i + 1 == len(statements):
+            return 0
+        second = statements[i + 1]
+        found = summed(second) or ((None, returned_sum(second)) if returned_sum(second) is not None else None)
+        if found is None:
+            return 0
+        total, add = found
+        for normed, residual in ((add.right, add.left), (add.left, add.right)):
+            if isinstance(normed, ast.Name) and normed.id == normed_name and not loads(residual, {normed_name}):
+                site = AddSite("after", self._norm(statements[i].value), add.lineno)
+                problem = (self._residual_problem(residual, second)
+                           or self._binding_problem(normed_name, total, statements[i], second))
+                if problem is not None:
+                    return self._refuse(site, problem)
+                self.result.plans.append(AfterPlan(site, statements, i + 1, add, total, statements[i].value,
+                                                   residual, dropped=i))
+                return 2
+        return 0
+
+    def _residual_problem(self, residual: ast.expr, statement: ast.stmt) -> str | None:
+        """Invariant 3 for the residual of an ``after`` add, read at another moment than the original's."""
+        if not isinstance(residual, ast.Name):
+            return (f"its residual {ast.unparse(residual)} is no local name: read at another moment, it could "
+                    "evaluate differently")
+        if residual.id in walrus_targets(statement):
+            return f"':=' in the statement rebinds its residual {residual.id}"
+        if residual.id not in self.plain:
+            return (f"its residual {residual.id} is rebound by a nested scope, or no local: code run in between "
+                    "could rebind it")
+        return None
+
+    def _binding_problem(self, normed: str, total: str | None, first: ast.stmt, second: ast.stmt) -> str | None:
+        """Invariant 6 for ``y = F(e); s = r + y``, which no longer binds ``y``: a read or a ``del`` of ``y``
+        elsewhere could meet its previous binding, or none."""
+        if normed == total:
+            return None
+        used = [n for n in named(self.function, normed) if not isinstance(n.ctx, ast.Store)]
+        if normed not in self.plain or len(used) != len(loads(first, {normed})) + len(loads(second, {normed})):
+            return f"{normed}, which the rewrite no longer binds, is read or deleted elsewhere in the forward"
+        return None
+
+    def _output(self, statements: list[ast.stmt], i: int, following: ast.stmt | None,
+                enclosing: tuple[str, ...]) -> int:
+        statement = statements[i]
+        if (add := returned_sum(statement)) is not None:
+            in_tuple = False
+        elif (found := summed(statement)) is not None and (in_tuple := _returns(following, found[0])) is not None:
+            add = found[1]
+        else:
+            return 0
+        site = AddSite("output", (), add.lineno, in_tuple)
+        if "try" in enclosing:  # invariant 5
+            return self._refuse(site, "it sits in a try block, whose finally could return something else")
+        self.result.plans.append(OutputPlan(site, statement, add))
+        return 1
+
+    def _input_norm(self) -> None:
+        """The norm the forward applies to its input before anything could touch it (invariants 1 and 3)."""
+        argument = self.function.args.args[1].arg
+        found = first_read(self.function.body, {argument}, self.self_name, self.norms, self.up)
+        if found.reason is not None:
+            self.result.refusals.append(Refusal(f"the norm of the input {argument} does not take the previous "
+                                                f"layer's normed output: {found.reason}"))
+        self.result.input_norm = found if found.norm is not None else None
+
+
+def _returns(statement: ast.stmt | None, name: str) -> bool | None:
+    """Whether ``statement`` is ``return name, ...`` (True: the stack takes the first item), ``return name``
+    (False), or neither (None)."""
+    if not isinstance(statement, ast.Return):
+        return None
+    value, in_tuple = statement.value, isinstance(statement.value, ast.Tuple)
+    if in_tuple and value.elts:
+        value = value.elts[0]
+    return in_tuple if isinstance(value, ast.Name) and value.id == name else None
+
+
+# ------------------------------------------------------------------------------------- the first read
+
+
+def first_read(statements: list[ast.stmt], names: set[str], self_name_: str,
+               norms: frozenset[tuple[str, ...]] | None, up: dict[int, ast.AST]) -> FirstRead:
+    """Follows ``names`` (a value's names: the input and its aliases ``r = x``) through ``statements``: a norm
+    first reads them when the first statement naming them reads them once, as the argument of ``self.<norm>(x)``
+    or ``self.<norm>(x.to(...))`` (any module call when ``norms`` is None), anywhere in that statement but a nested
+    scope (invariant 1): nothing evaluated before it can reach the value; or, for an ``if`` that does not read them
+    in its test, when both branches begin so with the same norm. Unread when nothing names them, or a statement
+    rebinds the one name without reading it (its value can no longer reach anything). A statement that only copies
+    them into a slice of another tensor (``out[...] = x``) does not count: it cannot change them."""
+    for statement in statements:
+        if isinstance(statement, ast.If) and not loads(statement.test, names):
+            branches = [first_read(b, set(names), self_name_, norms, up) for b in (statement.body, statement.orelse)]
+            if not any(branch.read for branch in branches):
+                continue
+            if all(b.norm is not None for b in branches) and branches[0].norm == branches[1].norm:
+                return FirstRead(True, branches[0].norm, branches[0].calls + branches[1].calls)
+            return next((b for b in branches if b.reason is not None), FirstRead(True))
+        occurrences = [n for name in names for n in named_outside_tuples([statement], name)]
+        if not occurrences or _copies_out(statement, names):
+            continue
+        uses = [n for n in occurrences if isinstance(n.ctx, ast.Load)]
+        if not uses and len(names) == 1:
+            return FirstRead(False)
+        if isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Name) and assigned_name(statement):
+            names.add(assigned_name(statement))
+            continue
+        if len(uses) != 1 or len(occurrences) != 1 + sum(id(n) in _store_ids(statement) for n in occurrences):
+            return FirstRead(True)
+        calls = [node for node in ast.walk(statement) if (path := module_call(node, self_name_)) is not None
+                 and (norms is None or path in norms) and _read_name(node.args[0]) is uses[0]]
+        if not calls:
+            return FirstRead(True)
+        where = deferred_by(calls[0], statement, up)
+        if where is not None:
+            return FirstRead(True, reason=f"the norm call at line {calls[0].lineno} sits in {where}, which may run "
+                                          "after the value is rebound")
+        return FirstRead(True, ".".join(module_call(calls[0], self_name_)), (calls[0],))
+    return FirstRead(False)
+
+
+def named_outside_tuples(statements: list[ast.stmt], name: str) -> list[ast.Name]:
+    """The occurrences of ``name`` in ``statements``, but for the elements of a tuple display (recording the hidden
+    states, ``all_hidden_states + (h,)``, neither changes them nor lets anything else reach them)."""
+    module = ast.Module(body=statements, type_ignores=[])
+    in_tuples = {id(e) for n in ast.walk(module) if isinstance(n, ast.Tuple) and isinstance(n.ctx, ast.Load)
+                 for e in n.elts}
+    return [n for n in named(module, name) if id(n) not in in_tuples]
+
+
+def _read_name(argument: ast.expr) -> ast.expr:
+    """``x`` for ``x`` or ``x.to(...)`` (the same values when the conversion changes neither dtype nor device:
+    ``handoff.input_norm`` checks that before it returns a handed-on norm of ``x``)."""
+    if isinstance(argument, ast.Call) and isinstance(argument.func, ast.Attribute) and argument.func.attr == "to":
+        return argument.func.value
+    return argument
+
+
+def _copies_out(statement: ast.stmt, names: set[str]) -> bool:
+    """``out[...] = x`` with ``x`` one of ``names`` and ``out`` none of them."""
+    return (
+        isinstance(statement, ast.Assign) and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Subscript) and isinstance(statement.value, ast.Name)
+        and statement.value.id in names and not loads(statement.targets[0], names)
+    )
+
+
+def _store_ids(statement: ast.stmt) -> set[int]:
+    """The names an assignment statement binds (its targets)."""
+    targets = getattr(statement, "targets", None) or [getattr(statement, "target", None)]
+    return {id(n) for t in targets if t is not None for n in ast.walk(t) if isinstance(n, ast.Name)}

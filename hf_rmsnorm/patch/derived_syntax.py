@@ -1,0 +1,179 @@
+"""Small readers of Python syntax that the analyses of a forward share (``derived_sites.py``,
+``derived_loops.py``): attribute paths of ``self``, module calls, sums, name reads, and the facts their soundness
+checks need: what is evaluated before an expression, and whether it runs later, conditionally or not at all."""
+
+from __future__ import annotations
+
+import ast
+
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+# Nodes whose body is another scope: code there runs when the scope is called or iterated, not where it is written.
+NESTED_SCOPES = (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, *COMPREHENSIONS)
+
+
+def self_name(function: ast.FunctionDef) -> str:
+    return function.args.args[0].arg
+
+
+def attribute_path(node: ast.expr, self_name: str) -> tuple[str, ...] | None:
+    """``("a", "b")`` for ``self.a.b``, ``("a", "0")`` for ``self.a[0]`` (a ``ModuleList`` item, which ``getattr``
+    finds by that name), None for anything else."""
+    path: list[str] = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            path.append(node.attr)
+        elif isinstance(node.slice, ast.Constant) and type(node.slice.value) is int and node.slice.value >= 0:
+            path.append(str(node.slice.value))
+        else:
+            return None
+        node = node.value
+    if isinstance(node, ast.Name) and node.id == self_name and path:
+        return tuple(reversed(path))
+    return None
+
+
+def module_call(node: ast.AST, self_name: str) -> tuple[str, ...] | None:
+    """The attribute path of ``self.a.b(x)`` (one positional argument, no keywords), None for anything else."""
+    if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and not isinstance(
+        node.args[0], ast.Starred
+    ):
+        return attribute_path(node.func, self_name)
+    return None
+
+
+def assigned_name(statement: ast.stmt) -> str | None:
+    """``x`` for ``x = <value>``."""
+    if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+        return statement.targets[0].id
+    return None
+
+
+def summed(statement: ast.stmt) -> tuple[str, ast.BinOp] | None:
+    """``(s, a + b)`` for ``s = a + b``."""
+    name = assigned_name(statement)
+    if name is not None and isinstance(statement.value, ast.BinOp) and isinstance(statement.value.op, ast.Add):
+        return name, statement.value
+    return None
+
+
+def returned_sum(statement: ast.stmt | None) -> ast.BinOp | None:
+    """``a + b`` for ``return a + b``."""
+    if isinstance(statement, ast.Return) and isinstance(statement.value, ast.BinOp) and isinstance(
+        statement.value.op, ast.Add
+    ):
+        return statement.value
+    return None
+
+
+def loads(node: ast.AST, names: set[str] | None) -> list[ast.Name]:
+    """The reads of ``names`` (of every name when None) in ``node``, nested scopes included."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            and (names is None or n.id in names)]
+
+
+def named(node: ast.AST, name: str) -> list[ast.Name]:
+    """Every occurrence of ``name`` in ``node`` (read, bound or deleted), nested scopes included."""
+    return [n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == name]
+
+
+def walrus_targets(node: ast.AST) -> set[str]:
+    """The names ``:=`` binds in ``node``."""
+    return {n.target.id for n in ast.walk(node) if isinstance(n, ast.NamedExpr)}
+
+
+def parents(root: ast.AST) -> dict[int, ast.AST]:
+    """Each node's parent in ``root``, by the node's id."""
+    return {id(child): node for node in ast.walk(root) for child in ast.iter_child_nodes(node)}
+
+
+def deferred_by(node: ast.AST, statement: ast.stmt, up: dict[int, ast.AST]) -> str | None:
+    """What in ``statement`` makes ``node`` run elsewhere than where it is written, if anything: a nested scope
+    (``NESTED_SCOPES``: later, or any number of times)."""
+    while node is not statement:
+        parent = up[id(node)]
+        if isinstance(parent, NESTED_SCOPES):
+            return {ast.Lambda: "a lambda", ast.GeneratorExp: "a generator expression"}.get(
+                type(parent), "a comprehension" if isinstance(parent, (ast.ListComp, ast.SetComp, ast.DictComp))
+                else "a nested function or class")
+        node = parent
+    return None
+
+
+def conditional_in(node: ast.AST, statement: ast.stmt, up: dict[int, ast.AST]) -> str | None:
+    """What in ``statement`` may skip ``node``, if anything: a branch of ``x if c else y``, a later operand of
+    ``and``/``or``."""
+    while node is not statement:
+        parent = up[id(node)]
+        if isinstance(parent, ast.IfExp) and node is not parent.test:
+            return "a conditional expression"
+        if isinstance(parent, ast.BoolOp) and node is not parent.values[0]:
+            return f"the later operand of {'and' if isinstance(parent.op, ast.And) else 'or'}"
+        node = parent
+    return None
+
+
+def evaluated_before(statement: ast.stmt, target: ast.AST) -> list[ast.expr]:
+    """The subexpressions of ``statement`` that Python evaluates completely before it starts evaluating
+    ``target`` (a node of its value, not of a nested scope), outermost first."""
+    before: list[ast.expr] = []
+    value = getattr(statement, "value", None)  # an assignment evaluates its value before its targets
+    if value is not None:
+        _before(value, target, before)
+    return before
+
+
+def _before(node: ast.AST, target: ast.AST, before: list[ast.expr]) -> bool:
+    """Appends to ``before`` the parts of ``node`` evaluated before ``target``; whether ``target`` is in it."""
+    if node is target:
+        return True
+    for child in _evaluation_order(node):
+        if _before(child, target, before):
+            return True
+        before.append(child)
+    return False
+
+
+def _evaluation_order(node: ast.AST) -> list[ast.expr]:
+    """The expressions directly inside ``node`` in the order Python evaluates them (a lambda's body and a
+    comprehension's element run later: only their evaluated parts count)."""
+    if isinstance(node, ast.Call):
+        # Positional and keyword arguments in the order written (``f(k=g(), *h())`` is written so rarely that the
+        # source order, which puts nothing later than CPython does, is taken).
+        arguments = sorted([*node.args, *(k.value for k in node.keywords)], key=lambda n: (n.lineno, n.col_offset))
+        return [node.func, *arguments]
+    if isinstance(node, ast.Dict):
+        return [part for key, value in zip(node.keys, node.values) for part in (key, value) if part is not None]
+    if isinstance(node, ast.NamedExpr):
+        return [node.value]
+    if isinstance(node, ast.Lambda):
+        return [d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None]
+    if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        return [node.generators[0].iter]
+    return [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.expr)]
+
+
+def reads_only(node: ast.expr) -> bool:
+    """Whether evaluating ``node`` only reads: names, constants, and attributes and items of what it reads (no
+    call, operator or assignment expression, which run code)."""
+    if isinstance(node, (ast.Name, ast.Constant)):
+        return True
+    if isinstance(node, (ast.Attribute, ast.Starred)):
+        return reads_only(node.value)
+    if isinstance(node, ast.Subscript):
+        return reads_only(node.value) and reads_only(node.slice)
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return all(reads_only(e) for e in node.elts)
+    if isinstance(node, ast.Slice):
+        return all(part is None or reads_only(part) for part in (node.lower, node.upper, node.step))
+    return False
+
+
+def located(node: ast.AST, where: ast.AST) -> ast.AST:
+    """``node`` with every node of it that has no position given ``where``'s full position (line and column
+    span): a rewrite's new nodes carry the location of what they replace, so tracebacks, ``dis`` and export
+    annotations name its line."""
+    for part in ast.walk(node):
+        if "lineno" in part._attributes and getattr(part, "lineno", None) is None:
+            part.lineno, part.col_offset = where.lineno, where.col_offset
+            part.end_lineno, part.end_col_offset = where.end_lineno, where.end_col_offset
+    return node
