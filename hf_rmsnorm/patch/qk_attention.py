@@ -147,8 +147,11 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
         if sum(child in norms for child in module.children()) < 2:
             continue
         cls = type(module)
+        source = derived_source.class_forward(cls)
         paths = frozenset(path for path in module_calls(cls) if _module_at(module, path) in norms)
-        if len(paths) < 2:
+        if isinstance(source, str) or len(paths) < 2:
+            if isinstance(source, str):  # why its source gave no calls
+                skipped.append((name, f"{_REASON}: {class_problem(cls) or source}"))
             continue
         if (cls, paths) not in kinds:
             kinds[cls, paths] = class_problem(cls) or attention_kind(cls, paths, verdicts)

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 from . import derived_source
 from .derived_sites import plain_locals
-from .derived_syntax import attribute_path, loads, module_call, reads_only, self_name
+from .derived_syntax import attribute_path, module_call, reads_only, self_name
 
 # The methods whose calls only take views, allowed in the statements between the norms and the RoPE (invariant 3).
 _VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
@@ -188,7 +188,7 @@ def _site_at(statements: list[ast.stmt], r: int, rope: tuple[str, str, str], me:
     for j in range(first + 1, r):
         if j in chain_statements:
             continue
-        problem = _between_problem(statements[j], me, {q_name, k_name}, between)
+        problem = _between_problem(statements[j], me, between)
         if problem is not None:
             return f"line {statements[j].lineno} {problem}"
     later, other = (k, q_name) if k.index > q.index else (q, k_name)
@@ -223,7 +223,8 @@ def _chain(statements: list[ast.stmt], r: int, value: str, me: str,
                     "view of it (invariants 1, 2)")
         base, step = _peel(statement.value)
         if step is None:
-            return f"line {statement.lineno} applies to {value} something else than view and transpose(1, 2)"
+            return (f"line {statement.lineno} applies to {value} something else than view and transpose(1, 2) "
+                    "(invariant 4)")
         ops = tuple(kind for kind, _ in step) + ops
         view_calls = [call for kind, call in step if kind == VIEW]
         if view_calls:
@@ -233,7 +234,8 @@ def _chain(statements: list[ast.stmt], r: int, value: str, me: str,
             continue
         path = module_call(base, me)
         if path is None or path not in norms:
-            return f"{value} is not a patched norm's output or a view of one at line {statement.lineno}"
+            return (f"line {statement.lineno} binds {value} to neither a patched norm's output nor a view (view, "
+                    "transpose(1, 2)) of one (invariants 1, 4)")
         if any(isinstance(n, ast.Name) and n.id == value and isinstance(n.ctx, ast.Store)
                for n in ast.walk(base)):
             return f"line {statement.lineno} binds {value} inside its norm's argument"
@@ -267,9 +269,9 @@ def _plain_argument(node: ast.expr) -> bool:
         isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant))
 
 
-def _between_problem(statement: ast.stmt, me: str, values: set[str],
-                     between: list[tuple[str, ...]]) -> str | None:
-    """Invariants 2 and 3 for a statement between the norms and the RoPE; records the modules it calls."""
+def _between_problem(statement: ast.stmt, me: str, between: list[tuple[str, ...]]) -> str | None:
+    """Invariant 3 for a statement between the norms and the RoPE (``_chain`` refused any naming ``Q`` or ``K``:
+    invariant 2); records the modules it calls."""
     if not isinstance(statement, (ast.Assign, ast.AnnAssign)) or statement.value is None:
         return "is no assignment: it could run code that sees or changes what the norms read (invariant 3)"
     targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
@@ -277,8 +279,6 @@ def _between_problem(statement: ast.stmt, me: str, values: set[str],
         names = target.elts if isinstance(target, ast.Tuple) else [target]
         if not all(isinstance(n, ast.Name) for n in names):
             return f"assigns to {ast.unparse(target)}, not to names (invariant 3)"
-    if loads(statement, values) or any(isinstance(n, ast.Name) and n.id in values for n in ast.walk(statement)):
-        return f"names {' or '.join(sorted(values))}, which no longer hold the normed values (invariant 2)"
     calls: list[tuple[str, ...]] = []
     if not _only_views_and_modules(statement.value, me, calls):
         return f"evaluates {ast.unparse(statement.value)}: more than module calls and views (invariant 3)"
