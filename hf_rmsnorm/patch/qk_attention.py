@@ -33,10 +33,11 @@ _REASON = "q/k norms and RoPE not fused"
 
 @dataclass(frozen=True)
 class QKAttentionKind:
-    """An attention class whose q/k site (``site``) runs as one launch: ``rope`` the RoPE function the probe
-    accepted, with its code, defaults and the module-level functions it reads (``rope_globals``: ``rotate_half``),
-    which ``qk_runtime`` checks at every call; ``dtypes`` (each (norm output, cos) dtype pair the function computes as the kernel does, and whether it casts the
-    result back to the norm's dtype) and ``partial`` what the probe found (``qk_probe``)."""
+    """An attention class whose q/k site (``site``) runs as one launch: ``rope`` the RoPE function the probe accepted,
+    with its code, defaults and the module-level functions it reads (``rope_globals``: ``rotate_half``), which
+    ``qk_runtime`` checks at every call; ``dtypes`` (each (norm output, cos) dtype pair the function computes as the
+    kernel does, and whether it casts the result back to the norm's dtype) and ``partial`` what the probe found
+    (``qk_probe``)."""
 
     class_path: str
     site: QKSite

@@ -1,17 +1,17 @@
 """The numerical probe of an attention module's RoPE function: the function is accepted for the fused q/k norms +
 RoPE (``qk_attention.py``) only where it computes, bit for bit, what ``qk_norm_rope`` computes after its norms.
 
-The norms' outputs are made exactly known: rows of +-1 (mean square 1, so rstd is 1 exactly, with an eps below half an ulp of 1) normalised
-with trained-like weights give ``sign * weight`` in the norm's dtype, with no rounding. ``qk_norm_rope`` then
-rotates those values with random ``cos``/``sin``; the function is given the same values as the attention gives it
-(``[batch, heads, tokens, head_dim]``, the transposed view of the projection) and must return the same tensors:
-same shape, the same bits (a function rounding its products and sum elsewhere, rotating interleaved pairs, or
-applying multimodal sections differs), in the kernel's dtype or, where the function casts its result back to its
-input's dtype (OLMo 2 rotates bf16 heads with fp32 tables and returns bf16), the kernel's output cast so. It is probed for every pair of the norm's output dtype and
-``cos``'s dtype the kernels take (``DTYPE_PAIRS``), with ``cos`` over the whole head (full rotary) and over half of
-it (partial rotary: the kernel rotates the first ``cos.shape[-1]`` columns and passes the others through). The
-probe runs on the CPU: in the tests the kernels in Triton's interpreter, elsewhere the operator's PyTorch
-implementation, which the kernels equal bit for bit (``tests/ops/test_qk_rope.py``).
+The norms' outputs are made exactly known: rows of +-1 (mean square 1, so rstd is 1 exactly, with an eps below half an
+ulp of 1) normalised with trained-like weights give ``sign * weight`` in the norm's dtype, with no rounding.
+``qk_norm_rope`` then rotates those values with random ``cos``/``sin``; the function is given the same values as the
+attention gives it (``[batch, heads, tokens, head_dim]``, the transposed view of the projection) and must return the
+same tensors: same shape, the same bits (a function rounding its products and sum elsewhere, rotating interleaved pairs,
+or applying multimodal sections differs), in the kernel's dtype or, where the function casts its result back to its
+input's dtype (OLMo 2 rotates bf16 heads with fp32 tables and returns bf16), the kernel's output cast so. It is probed
+for every pair of the norm's output dtype and ``cos``'s dtype the kernels take (``DTYPE_PAIRS``), with ``cos`` over the
+whole head (full rotary) and over half of it (partial rotary: the kernel rotates the first ``cos.shape[-1]`` columns and
+passes the others through). The probe runs on the CPU: in the tests the kernels in Triton's interpreter, elsewhere the
+operator's PyTorch implementation, which the kernels equal bit for bit (``tests/ops/test_qk_rope.py``).
 """
 
 from __future__ import annotations

@@ -65,11 +65,12 @@ def norm_rope(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, 
 
 
 def _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k_view):
-    """``qk_norm_rope``'s arguments (q and k ``[batch, tokens, heads, head_dim]``, weights, eps, mode) and the dtype
-    to cast its outputs to (None: none), where it computes what the original statements do: ``rope`` is the function probed when patching (``qk_probe``), with
-    the module-level functions it read then; both norms patched norms of one casting mode, without a bias; plain
-    tensors (no DTensor, no subclass); the layouts of ``qk_sites``' invariant 4; ``cos``'s rotary width and the
-    (norm output, cos) dtype pair probed; the operator's own argument checks passed. None otherwise."""
+    """``qk_norm_rope``'s arguments (q and k ``[batch, tokens, heads, head_dim]``, weights, eps, mode) and the dtype to
+    cast its outputs to (None: none), where it computes what the original statements do: ``rope`` is the function probed
+    when patching (``qk_probe``), with the module-level functions it read then; both norms patched norms of one casting
+    mode, without a bias; plain tensors (no DTensor, no subclass); the layouts of ``qk_sites``' invariant 4; ``cos``'s
+    rotary width and the (norm output, cos) dtype pair probed; the operator's own argument checks passed. None
+    otherwise."""
     if not (rope is kind.rope and rope.__code__ is kind.rope_code and rope.__defaults__ == kind.rope_defaults):
         return None
     module_globals = rope.__globals__

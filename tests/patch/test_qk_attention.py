@@ -55,9 +55,9 @@ def test_each_layout_runs_one_launch_and_computes_as_unpatched(attention, per_he
     model = toy_attention_model(attention, dtype)
     expected = _run(model, dtype)
     report = patch_model(model)
-    assert report.fused_qk == [f"attention: q_norm, k_norm ({'per head' if per_head else 'over each token' + chr(39) + 's heads'})"
-                               f" and apply_rotary_pos_emb at line {_rope_line(attention)} -> one qk_norm_rope launch "
-                               "(full rotary)"]
+    layout = "per head" if per_head else "over each token's heads"
+    assert report.fused_qk == [f"attention: q_norm, k_norm ({layout}) and apply_rotary_pos_emb at line "
+                               f"{_rope_line(attention)} -> one qk_norm_rope launch (full rotary)"]
     with counting_launches(monkeypatch) as launches:
         got = _run(model, dtype)
     assert launches[0] == 1
