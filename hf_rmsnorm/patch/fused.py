@@ -21,7 +21,7 @@ import types
 from torch import Tensor, nn
 
 from ..ops.functional import BoundNorm, bound_norm
-from . import derived_rewrite, handoff, qk_attention
+from . import derived_rewrite, handoff, qk_attention, qk_runtime
 from .derived_sites import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
 from .qk_attention import QKAttentionKind
@@ -49,7 +49,8 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
             )
         elif isinstance(kind, QKAttentionKind):
             # An attention module whose q/k norms and RoPE run as one launch (``qk_attention.py``).
-            namespace.update(qk_attention.class_namespace(base, kind))
+            namespace.update(qk_attention.class_namespace(base, kind),
+                             forward=_forward_like(qk_runtime.attention_forward, base.forward))
         elif isinstance(kind, StackKind):
             # The forward derived when patching, from the forward then checked: a stack whose class forward is
             # replaced later runs the replacement, unfused.

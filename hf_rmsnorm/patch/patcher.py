@@ -419,7 +419,7 @@ def _plan_qk_attention(norms: dict[nn.Module, str], plan: _Plan) -> None:
         try:
             fused.fused_class(type(module), kind)
         except Exception as exc:  # what the derived source cannot compile or decorate is left alone
-            plan.report.skipped.append((name, f"q/k norms and RoPE not fused: its derived forward failed to build "
+            plan.report.skipped.append((name, f"{qk_attention.UNFUSED}its derived forward failed to build "
                                               f"({type(exc).__name__}: {exc})"[:300]))
             continue
         plan.swaps.append((module, kind))

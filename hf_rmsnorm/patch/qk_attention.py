@@ -28,7 +28,8 @@ from .qk_sites import VIEW, QKSite, SitePlan, module_calls, qk_site
 
 # The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
 _INPUTS = ("_hf_rmsnorm_q", "_hf_rmsnorm_k")
-_REASON = "q/k norms and RoPE not fused"
+# What the report says first of an attention whose q/k site is not fused.
+UNFUSED = "q/k norms and RoPE not fused: "
 
 
 @dataclass(frozen=True)
@@ -127,9 +128,9 @@ def _attribute(me: str, path: tuple[str, ...]) -> ast.expr:
 
 
 def class_namespace(base: type, kind: QKAttentionKind) -> dict[str, object]:
-    """What ``fused.fused_class`` puts in the fused attention class beside its common entries."""
+    """What ``fused.fused_class`` puts in the fused attention class beside its common entries and its forward
+    (``qk_runtime.attention_forward`` under the original's name and signature)."""
     return {
-        "forward": qk_runtime.attention_forward,
         "_hf_rmsnorm_checked_forward": staticmethod(base.forward),
         "_hf_rmsnorm_body": staticmethod(fused_attention_forward(base, kind)),
     }
@@ -152,7 +153,7 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
         paths = frozenset(path for path in module_calls(cls) if _module_at(module, path) in norms)
         if isinstance(source, str) or len(paths) < 2:
             if isinstance(source, str):  # why its source gave no calls
-                skipped.append((name, f"{_REASON}: {class_problem(cls) or source}"))
+                skipped.append((name, f"{UNFUSED}{class_problem(cls) or source}"))
             continue
         if (cls, paths) not in kinds:
             kinds[cls, paths] = class_problem(cls) or attention_kind(cls, paths, verdicts)
@@ -161,7 +162,7 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
         if problem is None:
             fused.append((name, module, kind))
         else:
-            skipped.append((name, f"{_REASON}: {problem}"))
+            skipped.append((name, f"{UNFUSED}{problem}"))
     return fused, skipped
 
 

@@ -16,6 +16,7 @@ from qk_toys import (
 )
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import qk_probe, qk_runtime
+from hf_rmsnorm.patch.qk_attention import UNFUSED
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def _run(model, dtype=torch.float32, rotary_dim=HEAD_DIM):
 
 
 def _qk_skips(report):
-    return [reason for name, reason in report.skipped if "q/k norms and RoPE" in reason]
+    return [reason for name, reason in report.skipped if reason.startswith(UNFUSED)]
 
 
 # ----------------------------------------------------------------------------------- the three layouts

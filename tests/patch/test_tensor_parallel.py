@@ -22,6 +22,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Tenso
 
 from hf_rmsnorm import UnsupportedModelError, patch_model, unpatch_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
+from hf_rmsnorm.patch.qk_attention import UNFUSED
 
 pytestmark = pytest.mark.skipif(
     not kernels_interpreted(), reason="runs the kernels in Triton's interpreter, on CPU tensors (gloo)"
@@ -37,7 +38,7 @@ SEQUENCE_PARALLEL_REASON = (
     "that pass them through unchanged: leave the norms out of the tp_plan to patch them"
 )
 
-TP_QK_REASON = "q/k norms and RoPE not fused: a tensor-parallel plan shards this attention"
+TP_QK_REASON = f"{UNFUSED}a tensor-parallel plan shards this attention"
 
 
 def _wrapped_forward(module: torch.nn.Module):
