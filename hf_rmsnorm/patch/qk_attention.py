@@ -54,6 +54,26 @@ class QKAttentionKind:
         rotary = "full and partial rotary" if self.partial else "full rotary"
         return f"{self.site.label} -> one qk_norm_rope launch ({rotary})"
 
+    def __deepcopy__(self, memo: dict) -> QKAttentionKind:
+        return self  # immutable: a copied fused module shares its class, and the probe's verdict
+
+    def __reduce__(self):
+        # Code objects do not pickle: a loaded model's kind probes its function (pickled by name) again, and
+        # a function that no longer passes gets a kind that never fuses (its statements run as written).
+        return _probed_kind, (self.class_path, self.site, self.rope)
+
+
+def _kind(class_path: str, site: QKSite, rope: types.FunctionType, verdict: RopeVerdict) -> QKAttentionKind:
+    module_functions = tuple((name, value) for name in rope.__code__.co_names
+                             if isinstance(value := rope.__globals__.get(name), types.FunctionType))
+    return QKAttentionKind(class_path, site, rope, rope.__code__, rope.__defaults__, module_functions, verdict.dtypes,
+                           verdict.partial)
+
+
+def _probed_kind(class_path: str, site: QKSite, rope: types.FunctionType) -> QKAttentionKind:
+    verdict = probe_rope(rope)
+    return _kind(class_path, site, rope, RopeVerdict((), False) if isinstance(verdict, str) else verdict)
+
 
 def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
                    verdicts: dict[object, RopeVerdict | str]) -> QKAttentionKind | str:
@@ -74,10 +94,7 @@ def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
     verdict = verdicts[rope]
     if isinstance(verdict, str):
         return verdict
-    module_functions = tuple((name, value) for name in rope.__code__.co_names
-                             if isinstance(value := rope.__globals__.get(name), types.FunctionType))
-    return QKAttentionKind(f"{cls.__module__}.{cls.__qualname__}", site, rope, rope.__code__, rope.__defaults__,
-                           module_functions, verdict.dtypes, verdict.partial)
+    return _kind(f"{cls.__module__}.{cls.__qualname__}", site, rope, verdict)
 
 
 def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., object]:

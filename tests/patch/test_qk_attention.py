@@ -238,17 +238,18 @@ def test_a_foreign_wrapper_before_patching_leaves_the_site_alone(monkeypatch):
     assert not report.fused_qk and _qk_skips(report)
 
 
-def test_the_fused_attention_keeps_state_dict_and_deepcopies():
+def test_the_fused_attention_keeps_state_dict_deepcopies_and_pickles():
     import copy
+    import pickle
 
     model = toy_attention_model(QwenAttention)
     keys = {k: v.clone() for k, v in model.state_dict().items()}
     patch_model(model)
     assert model.state_dict().keys() == keys.keys()
     assert all(torch.equal(v, keys[k]) for k, v in model.state_dict().items())
-    twin = copy.deepcopy(model)
-    assert type(twin.attention) is type(model.attention)
-    assert torch.equal(_run(twin), _run(model))
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(twin.attention) is type(model.attention)
+        assert torch.equal(_run(twin), _run(model))
 
 
 def test_training_gradients_match_unpatched(monkeypatch):
