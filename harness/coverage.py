@@ -42,6 +42,7 @@ import torch
 
 from hf_rmsnorm.patch import UnsupportedModelError, check_model, patch_model
 from hf_rmsnorm.patch.classify import Role, norm_role
+from hf_rmsnorm.patch.qk_attention import UNFUSED
 
 from . import residual_census
 
@@ -142,6 +143,10 @@ class Coverage:
     unmeasured: str = ""
     # The code sites (file:line, one per add run) of those adds still run apart in the patched model.
     unfused_add_sites: list[str] = dataclasses.field(default_factory=list)
+    # Attention modules calling two patched norms (``hf_rmsnorm.patch.qk_attention``): those whose q/k norms and
+    # RoPE run as one launch, and why the others do not (each reason once).
+    qk_fused: int = 0
+    qk_unfused: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def fuses_every_add(self) -> bool:
@@ -365,6 +370,9 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
         report = patch_model(model)
         result.norms, result.fused_adds, result.skipped_modules = (
             len(report.norms), len(report.fused_adds), len(report.skipped))
+        result.qk_fused = len(report.fused_qk)
+        result.qk_unfused = list(dict.fromkeys(
+            reason.removeprefix(UNFUSED) for _, reason in report.skipped if reason.startswith(UNFUSED)))
         patched32 = _logits(model, ids)
         result.adds_fused_in_forward = residual_census.fused_adds(model, functools.partial(_logits, ids=ids))
         if report.fused_adds:
@@ -618,7 +626,23 @@ def headline(results: list[Coverage]) -> str:
             f"not run: the norm type column). Counted apart: {layernorm_ok} of the {len(layernorm)} model types "
             "that normalise with a LayerNorm and no RMSNorm are patched with parity; "
             f"{len(neither)} model types use neither ({unknown} of them not built, their modeling code naming no "
-            "RMSNorm).\n\n" + fusion + runs)
+            "RMSNorm).\n\n" + fusion + runs + "\n\n" + qk_paragraph(ok))
+
+
+def qk_paragraph(results: list[Coverage]) -> str:
+    """Of the model types patched with parity, those with attention modules calling two patched norms (q/k norms):
+    how many run them with their RoPE as one launch, and why each other one does not."""
+    with_qk = [r for r in results if r.qk_fused or r.qk_unfused]
+    fused = [r.model_type for r in with_qk if r.qk_fused and not r.qk_unfused]
+    partly = [f"{r.model_type} ({r.qk_fused} fused; {'; '.join(r.qk_unfused)})" for r in with_qk
+              if r.qk_fused and r.qk_unfused]
+    apart = [f"{r.model_type} ({'; '.join(r.qk_unfused)})" for r in with_qk if not r.qk_fused]
+    return (f"**{len(fused)} of the {len(with_qk)} model types whose attention calls two patched norms (q/k norms) "
+            "run them with their RoPE as one launch in every such attention** (`hf_rmsnorm/patch/qk_attention.py`; "
+            f"the report's `fused_qk`): {', '.join(fused) or 'none'}. In some attention modules only: "
+            f"{'; '.join(partly) or 'none'}. Apart, with the reason the patch report gives (the invariant of "
+            "`hf_rmsnorm/patch/qk_sites.py` their code breaks, or what the RoPE probe found): "
+            f"{'; '.join(apart) or 'none'}.")
 
 
 def read(markdown: Path) -> list[Coverage]:

@@ -135,13 +135,13 @@ def _bench(name: str, plan: str, what: str, limit_s: int, dtype: str, rows: str,
 
 
 def _generate(name: str, plan: str, what: str, limit_s: int, model: str, *, prompt_len: int = 128,
-              new_tokens: int = 256, compiled: bool = False) -> Section:
+              new_tokens: int = 256, compiled: bool = False, toy_model: str = "tiny-llama") -> Section:
     return Section(
         name, plan, what, limit_s,
         ("{py}", "scripts/verify.py", "--dtype", "bf16", "--json", f"{{work}}/{name}.json",
          *(("--compile",) if compiled else ()), "--model", "{model}", "--device", "{device}", "--batch-size", "1",
          "--prompt-len", "{prompt_len}", "--max-new-tokens", "{new_tokens}", "--repeats", "{repeats}"),
-        {"model": size(model, "tiny-llama"), "device": size("cuda", "cpu"), "prompt_len": size(str(prompt_len), "8"),
+        {"model": size(model, toy_model), "device": size("cuda", "cpu"), "prompt_len": size(str(prompt_len), "8"),
          "new_tokens": size(str(new_tokens), "3"), "repeats": size("5", "1")},
         (f"{name}.json",),
     )
@@ -234,6 +234,11 @@ SECTIONS: tuple[Section, ...] = (
             {"tokens": size(("1", "16", "4096", "16384"), "4"), "warmup": size("5", "1"), "repeats": size("20", "2"),
              "dry_run": SCRIPT_DRY_RUN},
             ("kernels-qk.json",)),
+    # Qwen3-8B's decode with its q/k norms and RoPE in one launch a layer (the norm-free oracle: norms and that RoPE
+    # return their inputs); 128 new tokens keep the plan within a lease.
+    _generate("generate-qwen3-8b", "third", "generate(), qwen3-8b-shape (q/k norms fused with the RoPE), bf16, "
+              "batch 1, 128-token prompt, 128 new tokens", 120, "qwen3-8b-shape", new_tokens=128,
+              toy_model="tiny-qwen3"),
     # fourth: compiled generation at 8B, and the comparisons measured before.
     _generate("generate-8b-compiled", "fourth", "generate() compiled (static cache, CUDA graphs), llama-3-8b-shape, "
               "bf16, batch 1, 128-token prompt, 256 new tokens", 300, "llama-3-8b-shape", compiled=True),

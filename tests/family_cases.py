@@ -29,7 +29,8 @@ class FamilyCase:
     """The expectations of one tiny model, built with ``config``, for the tests of its ``groups``:
 
     ``norms`` patched and ``adds`` fused by a plain ``patch_model``; ``mode`` the casting mode its norms are
-    recognised in (docs/numerics.md's table; None: not checked); ``parallel``: a parallel block (one add per layer,
+    recognised in (docs/numerics.md's table; None: not checked); ``qk`` the attention modules whose q/k norms and RoPE
+    run as one launch (``hf_rmsnorm.patch.qk_attention``); ``parallel``: a parallel block (one add per layer,
     into the next norm's kernel); ``derived_forward``: its layers fused through the forward derived from their own
     code (``hf_rmsnorm.patch.derived_rewrite``), no registered shape fitting them.
     """
@@ -40,6 +41,7 @@ class FamilyCase:
     norms: int | None = None
     adds: int | None = None
     mode: str | None = None
+    qk: int = 0
     parallel: bool = False
     derived_forward: bool = False
 
@@ -71,13 +73,13 @@ CASES: dict[str, FamilyCase] = {
     "llama": FamilyCase("llama", {MAIN}, norms=5, adds=4),
     "mistral": FamilyCase("mistral", {MAIN}, norms=5, adds=4),
     "qwen2": FamilyCase("qwen2", {MAIN}, norms=5, adds=4),
-    "qwen3": FamilyCase("qwen3", {MAIN}, norms=9, adds=4),
+    "qwen3": FamilyCase("qwen3", {MAIN}, norms=9, adds=4, qk=2),
     # Phi3 has its own tests too.
     "phi3": FamilyCase("phi3", {OTHER}, norms=5, adds=4),
     "ministral": FamilyCase("ministral", {OTHER}, norms=5, adds=4),
     "smollm3": FamilyCase("smollm3", {OTHER}, norms=5, adds=4),
     "qwen2_moe": FamilyCase("qwen2_moe", {OTHER}, dict(**MOE, shared_expert_intermediate_size=32), norms=5, adds=4),
-    "qwen3_moe": FamilyCase("qwen3_moe", {OTHER}, MOE, norms=9, adds=4),
+    "qwen3_moe": FamilyCase("qwen3_moe", {OTHER}, MOE, norms=9, adds=4, qk=2),
     "granite": FamilyCase("granite", {OTHER}, dict(residual_multiplier=0.5), norms=5, adds=4),
     # Reached through recognition, and the newer registry entries (MoE, post-norm and hybrid layers).
     "mixtral": FamilyCase("mixtral", {RECOGNISED}, dict(num_local_experts=4, num_experts_per_tok=2), norms=5,
@@ -88,18 +90,20 @@ CASES: dict[str, FamilyCase] = {
         num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128, interleave_moe_layer_step=2
     ), norms=5, adds=4),
     "qwen3_next": FamilyCase("qwen3_next", {RECOGNISED}, dict(**MOE, shared_expert_intermediate_size=32, **HYBRID),
-                             norms=7, adds=HYBRID_ADDS, mode="gemma"),
-    "qwen3_5_text": FamilyCase("qwen3_5_text", {RECOGNISED}, HYBRID, norms=7, adds=HYBRID_ADDS, mode="gemma"),
+                             norms=7, adds=HYBRID_ADDS, mode="gemma", qk=1),
+    "qwen3_5_text": FamilyCase("qwen3_5_text", {RECOGNISED}, HYBRID, norms=7, adds=HYBRID_ADDS, mode="gemma",
+                               qk=1),
     "qwen3_5_moe_text": FamilyCase("qwen3_5_moe_text", {RECOGNISED}, dict(
         **MOE, shared_expert_intermediate_size=32, **HYBRID
-    ), norms=7, adds=HYBRID_ADDS),
+    ), norms=7, adds=HYBRID_ADDS, qk=1),
     "nanochat": FamilyCase("nanochat", {RECOGNISED}, norms=9, adds=4, mode="llama"),
     "gemma": FamilyCase("gemma", {RECOGNISED}, norms=5, adds=4),
     "gemma2": FamilyCase("gemma2", {RECOGNISED}, dict(sliding_window=4), norms=9, adds=4),
-    "gemma3_text": FamilyCase("gemma3_text", {RECOGNISED}, dict(sliding_window=4), norms=13, adds=4, mode="gemma"),
+    "gemma3_text": FamilyCase("gemma3_text", {RECOGNISED}, dict(sliding_window=4), norms=13, adds=4, mode="gemma",
+                              qk=2),
     "glm4": FamilyCase("glm4", {RECOGNISED}, norms=9, adds=4),
-    "olmo2": FamilyCase("olmo2", {RECOGNISED}, norms=9, adds=4),
-    "olmo3": FamilyCase("olmo3", {RECOGNISED}, norms=9, adds=4, mode="fp32_affine"),
+    "olmo2": FamilyCase("olmo2", {RECOGNISED}, norms=9, adds=4, qk=2),
+    "olmo3": FamilyCase("olmo3", {RECOGNISED}, norms=9, adds=4, mode="fp32_affine", qk=2),
     "gpt_oss": FamilyCase("gpt_oss", {RECOGNISED}, dict(num_local_experts=4, num_experts_per_tok=2), norms=5,
                           adds=4),
     "exaone4": FamilyCase("exaone4", {RECOGNISED}, norms=9, adds=4),

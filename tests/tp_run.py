@@ -122,6 +122,7 @@ def compare(model_dir: str, tp_plan) -> dict:
         "norms": report.norms,
         "skipped": report.skipped,
         "fused_adds": report.fused_adds,
+        "fused_qk": report.fused_qk,
         "branch_outputs": sorted(branch_outputs),
         "wrapped_forwards_patched": wrapped,
         "wrapped_forwards_unpatched": _wrapped_forwards(model),

@@ -21,14 +21,15 @@ import types
 from torch import Tensor, nn
 
 from ..ops.functional import BoundNorm, bound_norm
-from . import derived_rewrite, handoff
+from . import derived_rewrite, handoff, qk_attention, qk_runtime
 from .derived_sites import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
+from .qk_attention import QKAttentionKind
 
-_FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind], type] = {}
+_FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind], type] = {}
 
 
-def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind) -> type:
+def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind) -> type:
     """The fused subclass of ``base`` for ``kind``, created once per pair."""
     cls = _FUSED.get((base, kind))
     if cls is None:
@@ -46,6 +47,10 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
                 forward=_forward_like(_norm_forward, base.forward, _norm_signature(base.forward)),
                 _hf_rmsnorm_norm=bound_norm(kind.mode),  # its mode's calls, their launches bound once
             )
+        elif isinstance(kind, QKAttentionKind):
+            # An attention module whose q/k norms and RoPE run as one launch (``qk_attention.py``).
+            namespace.update(qk_attention.class_namespace(base, kind),
+                             forward=_forward_like(qk_runtime.attention_forward, base.forward))
         elif isinstance(kind, StackKind):
             # The forward derived when patching, from the forward then checked: a stack whose class forward is
             # replaced later runs the replacement, unfused.
@@ -147,7 +152,7 @@ def _reduce_ex(self, protocol):
     return _new_fused, (cls._hf_rmsnorm_base, cls._hf_rmsnorm_kind), self.__getstate__()
 
 
-def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind) -> nn.Module:
+def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind) -> nn.Module:
     cls = fused_class(base, kind)
     return cls.__new__(cls)
 

@@ -47,6 +47,11 @@ def instance_problem(module: nn.Module) -> str | None:
     )
 
 
+def tensor_parallel_planned(module: nn.Module) -> bool:
+    """Whether a transformers tensor-parallel plan wrapped ``module``'s forward (a style of the plan applies to it)."""
+    return _tensor_parallel_forward_cell(module) is not None
+
+
 def hub_forward(module: nn.Module) -> types.MethodType | None:
     """The hub layer's forward ``kernels.kernelize`` set on ``module`` itself, if it did: kernelize binds a hub
     layer's ``forward`` to each module whose class names a hub layer (``kernel_layer_name``, set by transformers'

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import backend
-from . import derived_loops, derived_sites, derived_source, fused
+from . import derived_loops, derived_sites, derived_source, fused, qk_attention
 from .classify import Role, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
@@ -285,6 +285,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     norms, layer_candidates, stacks, unknown_layers = _plan_norms(root, reg, plan)
     layers, unmatched = _plan_layers(layer_candidates, norms, plan)
     _plan_derived_layers(unknown_layers + unmatched, norms, layers, plan)
+    _plan_qk_attention(norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
     _report_unread_stacks(stacks, layers, plan)
     _unplan_layers_fusing_nothing(layers, plan)
@@ -408,6 +409,22 @@ def _plan_derived_layers(
         plan.report.skipped.extend((name, refusal.text) for refusal in code.refusals)
         for site in kind.inner_sites:
             plan.report.fused_adds.append(f"{name}: {site.label} -> {norms[paths[site.norm]]}")
+
+
+def _plan_qk_attention(norms: dict[nn.Module, str], plan: _Plan) -> None:
+    """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``)."""
+    candidates = [(name, module) for name, module, role in plan.modules if role is Role.OTHER]
+    fused_attention, skipped = qk_attention.plan_attention(candidates, norms, plan.class_problem)
+    for name, module, kind in fused_attention:
+        try:
+            fused.fused_class(type(module), kind)
+        except Exception as exc:  # what the derived source cannot compile or decorate is left alone
+            plan.report.skipped.append((name, f"{qk_attention.UNFUSED}its derived forward failed to build "
+                                              f"({type(exc).__name__}: {exc})"[:300]))
+            continue
+        plan.swaps.append((module, kind))
+        plan.report.fused_qk.append(f"{name}: {kind.label}")
+    plan.report.skipped.extend(skipped)
 
 
 def _module_at(layer: nn.Module, path: tuple[str, ...]) -> object:

@@ -21,6 +21,8 @@ class PatchReport:
     Attributes:
         norms: qualified names of the norm modules now running the kernels.
         fused_adds: the residual adds now computed inside a norm kernel, one line per add.
+        fused_qk: the attention modules whose query and key norms and rotary embedding now run as one
+            ``qk_norm_rope`` launch, one line each naming the norms and the RoPE function.
         skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
             whose residual adds stay unfused.
         families: the model families whose norms were patched.
@@ -37,6 +39,7 @@ class PatchReport:
 
     norms: list[str] = field(default_factory=list)
     fused_adds: list[str] = field(default_factory=list)
+    fused_qk: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
     converted: list[str] = field(default_factory=list)
@@ -61,6 +64,7 @@ class PatchReport:
             ("parameters centred (once, by the conversion)", self.centred),
             ("inputs centred on every forward (by the conversion)", self.centred_inputs),
             ("fused residual adds", self.fused_adds),
+            ("q/k norms fused with the RoPE", self.fused_qk),
             ("hub-kernel forwards set aside while patched", self.hub_forwards),
             ("skipped", [f"{name or '<root>'}: {reason}" for name, reason in self.skipped]),
         ):

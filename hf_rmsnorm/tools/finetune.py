@@ -32,13 +32,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ..ops import backend
-from ..patch import PatchReport, UnsupportedModelError, check_model, patch_model
+from ..patch import PatchReport, UnsupportedModelError, patch_model, unpatch_model
 from . import finetune_fsdp
 from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
 from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
 from .finetune_metrics import FinetuneMetrics, PatchCounts, steady_step_times
 from .loading import load_model, looks_like_path
-from .norm_free import ORACLE_NOTE, norm_free
+from .norm_free import ORACLE_NOTE, fused_ropes, norm_free
 from .presets import preset_names
 
 # Where a LoRA run from a preset saves the base model, inside --output-dir: a preset's weights cannot be loaded
@@ -107,12 +107,12 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
         raise FinetuneInputError("--norm-free is a one-process timing oracle: launch it with --num_processes 1")
     try:
         report = patch_model(model) if config.patch and not config.norm_free else None
-        norm_names = check_model(model).norms if config.norm_free else []
+        norm_names, ropes = _oracle_targets(model) if config.norm_free else ([], [])
     except UnsupportedModelError as exc:
         raise FinetuneInputError(str(exc)) from exc
     if config.norm_free:
         # Installed for the rest of the run (a process of its own): the weights it trains mean nothing.
-        norm_free(model, norm_names).__enter__()
+        norm_free(model, norm_names, ropes).__enter__()
         accelerator.print(f"--norm-free: {ORACLE_NOTE}; {len(norm_names)} norms")
     else:
         accelerator.print(report if report is not None else "--no-patch: Hugging Face's own norms")
@@ -164,6 +164,16 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
     accelerator.free_memory()
     accelerator.end_training()
     return metrics
+
+
+def _oracle_targets(model) -> tuple[list[str], list[tuple[dict, str]]]:
+    """What the norm-free oracle replaces: the norms patch_model would patch, and the RoPE functions it would fuse
+    with q/k norms (``norm_free.fused_ropes``: read from the model patched for the moment, then unpatched)."""
+    report = patch_model(model)
+    try:
+        return report.norms, fused_ropes(model)
+    finally:
+        unpatch_model(model)
 
 
 def make_accelerator(fsdp: bool) -> Accelerator:

@@ -2,44 +2,72 @@
 
 A model run with every norm replaced by a stand-in that costs nothing (it returns its input; the residual adds
 stay plain adds) bounds what any norm kernel could save: the patched model's gain over the unpatched one, divided
-by the norm-free model's gain, is the share of the possible gain the patch delivers. Its outputs mean nothing
+by the norm-free model's gain, is the share of the possible gain the patch delivers. Where the patch runs an
+attention's q/k norms and its RoPE as one launch (``hf_rmsnorm.patch.qk_attention``), the RoPE is part of what the
+patch removes, so the oracle makes that RoPE function return its inputs too (``ropes``). Its outputs mean nothing
 (nothing is normalised): it is timed, never compared.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # imported by the GPU suite's report, which runs without torch
     from torch import Tensor, nn
 
-ORACLE_NOTE = "norm-free: every norm returns its input (timing only; its outputs are meaningless)"
+ORACLE_NOTE = ("norm-free: every norm returns its input, and so does the RoPE the patch fuses with q/k norms "
+               "(timing only; its outputs are meaningless)")
 
 
 def _pass_through(hidden_states: Tensor, *args, **kwargs) -> Tensor:
     return hidden_states
 
 
+def _rope_pass_through(q: Tensor, k: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+    return q, k
+
+
+def fused_ropes(model: nn.Module) -> list[tuple[dict, str]]:
+    """The RoPE functions of the attention modules of patched ``model`` whose q/k norms run with them as one
+    launch: ``(the modeling module's namespace, the function's name)``, each once."""
+    from ..patch.qk_attention import QKAttentionKind
+
+    found: dict[tuple[int, str], tuple[dict, str]] = {}
+    for module in model.modules():
+        kind = type(module).__dict__.get("_hf_rmsnorm_kind")
+        if isinstance(kind, QKAttentionKind):
+            found[id(kind.rope.__globals__), kind.site.rope] = (kind.rope.__globals__, kind.site.rope)
+    return list(found.values())
+
+
 @contextlib.contextmanager
-def norm_free(model: nn.Module, norm_names: list[str]) -> Iterator[None]:
-    """Within the block, the modules of ``model`` named in ``norm_names`` return their input.
+def norm_free(model: nn.Module, norm_names: list[str], ropes: Sequence[tuple[dict, str]] = ()) -> Iterator[None]:
+    """Within the block, the modules of ``model`` named in ``norm_names`` return their input, and the functions
+    ``ropes`` names (``fused_ropes``) their query and key.
 
     The stand-in is an instance attribute ``forward`` (``nn.Module.__call__`` calls ``self.forward``), removed on
     exit, so the classes, weights and hooks stay as they were; the modules must not be patched meanwhile (the
-    patcher refuses modules with an instance ``forward``)."""
+    patcher refuses modules with an instance ``forward``). A RoPE function is replaced in its module's namespace,
+    where the attention's forward looks it up, and put back on exit."""
     modules = dict(model.named_modules())
     missing = [name for name in norm_names if name not in modules]
     if missing:
         raise ValueError(f"norm_free: {missing[0]} is not a module of the model")
     replaced = [modules[name] for name in norm_names]
+    functions = [(namespace, name, namespace[name]) for namespace, name in ropes]
     for module in replaced:
         module.forward = _pass_through
+    for namespace, name, _ in functions:
+        namespace[name] = _rope_pass_through
     try:
         yield
     finally:
         for module in replaced:
             del module.forward
+        for namespace, name, function in functions:
+            namespace[name] = function
 
 
 def gain_share(unpatched_rate: float, patched_rate: float, norm_free_rate: float) -> float | None:

@@ -100,6 +100,15 @@ def _llama_3_8b_shape() -> PretrainedConfig:
                    tie_word_embeddings=False)
 
 
+def _qwen3_8b_shape() -> PretrainedConfig:
+    """Qwen3-8B's shape: 36 layers of width 4096, 32 query and 8 key/value heads of 128 with per-head q/k norms
+    (8.19B parameters): the q/k norms fused with the RoPE at decode."""
+    return _config("Qwen3Config", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=PAD_TOKEN_ID,
+                   bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID)
+
+
 def _pythia_1b_shape() -> PretrainedConfig:
     """Pythia-1B's shape (GPT-NeoX): 16 parallel-residual layers of width 2048 with LayerNorms (with bias), rotary
     on a quarter of each head (1.01B parameters): the LayerNorm decoder of the RMSNorm-against-LayerNorm figures."""
@@ -117,6 +126,7 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-phi3": _tiny_phi3,
     "llama-3.2-1b-shape": _llama_3_2_1b_shape,
     "llama-3-8b-shape": _llama_3_8b_shape,
+    "qwen3-8b-shape": _qwen3_8b_shape,
     "pythia-1b-shape": _pythia_1b_shape,
 }
 

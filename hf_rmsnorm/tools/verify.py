@@ -32,7 +32,7 @@ from ..patch import UnsupportedModelError, check_model, patch_model, unpatch_mod
 from . import parity, workload
 from .cli import InputError
 from .loading import DTYPES, load_model, parse_dtype, weights_source
-from .norm_free import ORACLE_NOTE, format_share, gain_share, norm_free
+from .norm_free import ORACLE_NOTE, format_share, fused_ropes, gain_share, norm_free
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import ModelState, SpeedFigures, measure_states, speedups
 from .verify_report import (
@@ -207,12 +207,13 @@ def _texts(tokenizer, generation: workload.Generation, eos_id) -> list[str]:
 def _timed_states(model: torch.nn.Module, norm_names: list[str]) -> list[ModelState]:
     """The states ``verify`` times, starting from and returning to the patched model: unpatched (unpatched, then
     patched again), patched, and norm-free (``norm_free.py``: the unpatched model with every norm returning its
-    input)."""
+    input, and the RoPE the patch fuses with q/k norms returning its query and key)."""
     oracle = contextlib.ExitStack()
+    ropes = fused_ropes(model)
 
     def enter_norm_free() -> None:
         unpatch_model(model)
-        oracle.enter_context(norm_free(model, norm_names))
+        oracle.enter_context(norm_free(model, norm_names, ropes))
 
     def leave_norm_free() -> None:
         oracle.close()

@@ -21,6 +21,8 @@ def test_verdicts_of_known_model_types():
     assert fused.adds_next_to_norms == fused.adds_fused_in_forward == 4 and fused.fuses_every_add
     assert (fused.adds_fused_compiled, fused.adds_fused_checkpointed, fused.unmeasured) == (4, 4, "")
     assert not fused.fuses_fewer_than_eager()
+    # NanoChat applies its RoPE before its q/k norms: each attention says why they run apart.
+    assert fused.qk_fused == 0 and len(fused.qk_unfused) == 1 and "(invariants 1, 4)" in fused.qk_unfused[0]
     # Zamba's mamba layers add the shared transformer's output in a conditional expression, and hand their output
     # to hybrid wrapper layers: adds next to its norms, none of them in a pattern the derived forwards rewrite.
     norms_only = coverage.check_model_type("zamba", types["zamba"], 60)
@@ -174,3 +176,17 @@ def test_a_norm_class_with_and_without_a_weight_is_patched_per_instance():
     result = coverage.check_model_type("gemma4_text", coverage.causal_lm_types()["gemma4_text"], 60)
     assert result.verdict in ("fused", "norms only"), result.reason
     assert result.fp32_max_err <= coverage.FP32_TOLERANCE
+
+
+def test_the_page_says_which_q_k_norm_types_fuse_their_rope():
+    results = [
+        coverage.Coverage("a", "A", "fused", uses_rmsnorm=True, qk_fused=2),
+        coverage.Coverage("b", "B", "fused", uses_rmsnorm=True, qk_unfused=["line 3: the RoPE comes first"]),
+        coverage.Coverage("c", "C", "fused", uses_rmsnorm=True, qk_fused=1, qk_unfused=["no RoPE"]),
+        coverage.Coverage("d", "D", "fused", uses_rmsnorm=True),
+    ]
+    line = coverage.headline(results)
+    assert "**1 of the 3 model types whose attention calls two patched norms (q/k norms) run them" in line
+    assert "one launch in every such attention** (" in line and "`fused_qk`): a." in line
+    assert "In some attention modules only: c (1 fused; no RoPE)." in line
+    assert "b (line 3: the RoPE comes first)." in line

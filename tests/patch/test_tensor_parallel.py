@@ -22,6 +22,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES, Tenso
 
 from hf_rmsnorm import UnsupportedModelError, patch_model, unpatch_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
+from hf_rmsnorm.patch.qk_attention import UNFUSED
 
 pytestmark = pytest.mark.skipif(
     not kernels_interpreted(), reason="runs the kernels in Triton's interpreter, on CPU tensors (gloo)"
@@ -36,6 +37,8 @@ SEQUENCE_PARALLEL_REASON = (
     "and a fused residual add would pass the residual around that transform; hf_rmsnorm patches norms under styles "
     "that pass them through unchanged: leave the norms out of the tp_plan to patch them"
 )
+
+TP_QK_REASON = f"{UNFUSED}a tensor-parallel plan shards this attention"
 
 
 def _wrapped_forward(module: torch.nn.Module):
@@ -61,7 +64,10 @@ def test_qwen3_qk_norms_under_their_auto_plan_style_are_patched_and_the_wrapper_
     report = patch_model(model)
 
     assert all(f"model.layers.{i}.self_attn.{n}_norm" in report.norms for i in range(2) for n in "qk")
-    assert report.skipped == []
+    # The q/k norms run apart from the RoPE under a plan (hf_rmsnorm.patch.qk_attention): each attention says so.
+    assert not report.fused_qk and [name for name, _ in report.skipped] == [f"model.layers.{i}.self_attn"
+                                                                             for i in range(2)]
+    assert all(TP_QK_REASON in reason for _, reason in report.skipped)
     if _wrapped_forward(q_norms[0]) is not None:
         assert all(_wrapped_forward(norm) is type(norm).forward is not original_forward for norm in q_norms)
     torch.testing.assert_close(q_norms[0](x), expected, rtol=1e-6, atol=1e-6)  # fp32 reductions
@@ -133,7 +139,9 @@ def test_patched_tp_models_match_unpatched_on_2_processes(tmp_path):
         # The all-reduced branch outputs the fused adds read are local tensors, not DTensors.
         assert run["branch_outputs"] == ["Tensor"], case
     qwen3 = result["models"]["qwen3 auto"]
-    assert qwen3["skipped"] == [] and len(qwen3["norms"]) == CASES["qwen3"].norms
+    assert len(qwen3["norms"]) == CASES["qwen3"].norms and not qwen3["fused_qk"]
+    assert [name for name, _ in qwen3["skipped"]] == [f"model.layers.{i}.self_attn" for i in range(2)]
+    assert all(TP_QK_REASON in reason for _, reason in qwen3["skipped"])
     assert all(f"model.layers.{i}.self_attn.{n}_norm" in qwen3["norms"] for i in range(2) for n in "qk")
     # Where the plan wrapped q_norm/k_norm (transformers >= 5.2x), the wrapper called the kernels, and calls the
     # original forward again after unpatching.

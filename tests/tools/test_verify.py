@@ -18,7 +18,7 @@ import torch
 from verify_samples import sample_report
 from launching import SCRIPTS
 
-from hf_rmsnorm import check_model
+from hf_rmsnorm import check_model, patch_model, unpatch_model
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools import parity, workload
 from hf_rmsnorm.tools.loading import ModelLoadError, looks_like_path, parse_dtype
@@ -464,3 +464,22 @@ def test_norm_free_oracle_times_a_model_without_norms_and_restores_it():
     # 1 s per token unpatched, 0.9 patched, 0.8 norm-free: half the possible gain.
     assert gain_share(1.0, 1 / 0.9, 1 / 0.8) == pytest.approx(0.5)
     assert gain_share(1.0, 1.0, 1.0) is None
+
+
+def test_norm_free_oracle_makes_the_rope_fused_with_q_k_norms_return_its_inputs():
+    """On Qwen3, the RoPE the patch fuses with the q/k norms is part of what it removes: the oracle replaces the
+    function in its modeling module while it runs, and puts it back."""
+    from transformers.models.qwen3 import modeling_qwen3
+
+    from hf_rmsnorm.tools.norm_free import fused_ropes, norm_free
+
+    model = build_preset("tiny-qwen3")
+    rope = modeling_qwen3.apply_rotary_pos_emb
+    norms = patch_model(model).norms
+    ropes = fused_ropes(model)
+    assert ropes == [(modeling_qwen3.__dict__, "apply_rotary_pos_emb")]
+    unpatch_model(model)
+    q, k = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32)
+    with norm_free(model, norms, ropes):
+        assert modeling_qwen3.apply_rotary_pos_emb(q, k, None, None) == (q, k)
+    assert modeling_qwen3.apply_rotary_pos_emb is rope

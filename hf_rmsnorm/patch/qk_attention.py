@@ -1,0 +1,197 @@
+"""The attention modules whose query/key norms and RoPE run as one ``qk_norm_rope`` launch: planned
+(``plan_attention``), their kind (``QKAttentionKind``) and their forward, derived from the attention's own code with
+its q/k site rewritten (``fused_attention_forward``; ``qk_sites.py`` finds the site and says why the rewrite is
+exact, ``qk_probe.py`` accepts the RoPE function, ``qk_runtime.py`` runs it).
+
+A module is a candidate when its class forward calls two patched norms; it is fused when its forward has the
+site, its RoPE function passes the probe, and nothing set on the instance replaces its forward (a hook of
+accelerate's, a tensor-parallel wrapper). Tensor-parallel plans are left alone: a plan shards the projections'
+heads, and whether a whole-projection norm (OLMo 2) is then computed over the local heads only is the plan's
+business, which this module does not prove, so an attention with any module under a plan keeps its statements.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import derived_source, qk_runtime
+from .derived_syntax import located, self_name
+from .instance_forwards import instance_problem, tensor_parallel_planned
+from .qk_probe import RopeVerdict, probe_rope
+from .qk_sites import VIEW, QKSite, SitePlan, module_calls, qk_site
+
+# The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
+_INPUTS = ("_hf_rmsnorm_q", "_hf_rmsnorm_k")
+# What the report says first of an attention whose q/k site is not fused.
+UNFUSED = "q/k norms and RoPE not fused: "
+
+
+@dataclass(frozen=True)
+class QKAttentionKind:
+    """An attention class whose q/k site (``site``) runs as one launch: ``rope`` the RoPE function the probe accepted,
+    with its code, defaults and the module-level functions it reads (``rope_globals``: ``rotate_half``), which
+    ``qk_runtime`` checks at every call; ``dtypes`` (each (norm output, cos) dtype pair the function computes as the
+    kernel does, and whether it casts the result back to the norm's dtype) and ``partial`` what the probe found
+    (``qk_probe``)."""
+
+    class_path: str
+    site: QKSite
+    rope: types.FunctionType
+    rope_code: types.CodeType
+    rope_defaults: tuple | None
+    rope_globals: tuple[tuple[str, object], ...]
+    dtypes: tuple[tuple[tuple[torch.dtype, torch.dtype], bool], ...]
+    partial: bool
+
+    @property
+    def label(self) -> str:
+        rotary = "full and partial rotary" if self.partial else "full rotary"
+        return f"{self.site.label} -> one qk_norm_rope launch ({rotary})"
+
+    def __deepcopy__(self, memo: dict) -> QKAttentionKind:
+        return self  # immutable: a copied fused module shares its class, and the probe's verdict
+
+    def __reduce__(self):
+        # Code objects do not pickle: a loaded model's kind probes its function (pickled by name) again, and
+        # a function that no longer passes gets a kind that never fuses (its statements run as written).
+        return _probed_kind, (self.class_path, self.site, self.rope)
+
+
+def _kind(class_path: str, site: QKSite, rope: types.FunctionType, verdict: RopeVerdict) -> QKAttentionKind:
+    module_functions = tuple((name, value) for name in rope.__code__.co_names
+                             if isinstance(value := rope.__globals__.get(name), types.FunctionType))
+    return QKAttentionKind(class_path, site, rope, rope.__code__, rope.__defaults__, module_functions, verdict.dtypes,
+                           verdict.partial)
+
+
+def _probed_kind(class_path: str, site: QKSite, rope: types.FunctionType) -> QKAttentionKind:
+    verdict = probe_rope(rope)
+    return _kind(class_path, site, rope, RopeVerdict((), False) if isinstance(verdict, str) else verdict)
+
+
+def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
+                   verdicts: dict[object, RopeVerdict | str]) -> QKAttentionKind | str:
+    """The kind of attention class ``cls`` whose forward calls the patched norms at ``norms``, or why its q/k site
+    is not fused; ``verdicts`` holds the probes already run for this plan (one per RoPE function)."""
+    forward = derived_source.class_forward(cls)
+    if isinstance(forward, str):
+        return forward
+    plan = qk_site(forward, forward.node, norms)
+    if isinstance(plan, str):
+        return plan
+    site = plan.site
+    rope = forward.undecorated.__globals__.get(site.rope)
+    if not isinstance(rope, types.FunctionType):
+        return f"{site.rope} is not a Python function of {cls.__module__}"
+    if rope not in verdicts:
+        verdicts[rope] = probe_rope(rope)
+    verdict = verdicts[rope]
+    if isinstance(verdict, str):
+        return verdict
+    return _kind(f"{cls.__module__}.{cls.__qualname__}", site, rope, verdict)
+
+
+def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., object]:
+    """``base.forward`` with its q/k site rewritten (``qk_sites``' module docstring), decorated as the original.
+
+    Raises:
+        ValueError: the source cannot be derived from, or no longer has ``kind.site``.
+    """
+    forward = derived_source.class_forward(base)
+    if isinstance(forward, str):
+        raise ValueError(f"cannot derive a fused attention forward for {base.__qualname__}: {forward}")
+    function = forward.node
+    plan = qk_site(forward, function, frozenset({kind.site.q_norm, kind.site.k_norm}))
+    if isinstance(plan, str) or plan.site != kind.site:
+        raise ValueError(f"{base.__qualname__}.forward no longer has {kind.site.label}")
+    _rewrite(plan, self_name(function))
+    return derived_source.compile_forward(forward, function, qk_runtime)
+
+
+def _rewrite(plan: SitePlan, me: str) -> None:
+    statements = plan.statements
+    rope_statement = statements[plan.rope_index]
+    call = rope_statement.value
+    views = []
+    for chain, name in ((plan.q, _INPUTS[0]), (plan.k, _INPUTS[1])):
+        norm_statement = statements[chain.index]
+        statements[chain.index] = located(ast.Assign([ast.Name(name, ast.Store())], chain.call.args[0]),
+                                          norm_statement)
+        for j in chain.dropped:
+            statements[j] = located(ast.Pass(), statements[j])
+        view = chain.view.args if chain.view is not None and VIEW in chain.ops else []
+        views.append(located(ast.Tuple(list(view), ast.Load()), call))
+    norm = {q_or_k: _attribute(me, path) for q_or_k, path in (("q", plan.site.q_norm), ("k", plan.site.k_norm))}
+    rope_statement.value = located(ast.Call(
+        ast.Attribute(ast.Name(derived_source.HELPERS, ast.Load()), "norm_rope", ast.Load()),
+        [ast.Name(me, ast.Load()), norm["q"], norm["k"], call.func, ast.Name(_INPUTS[0], ast.Load()),
+         ast.Name(_INPUTS[1], ast.Load()), call.args[2], call.args[3], *views], []), call)
+    statements.insert(plan.rope_index + 1, located(
+        ast.Delete([ast.Name(name, ast.Del()) for name in _INPUTS]), rope_statement))
+
+
+def _attribute(me: str, path: tuple[str, ...]) -> ast.expr:
+    node: ast.expr = ast.Name(me, ast.Load())
+    for attr in path:
+        node = (ast.Subscript(node, ast.Constant(int(attr)), ast.Load()) if attr.isdigit()
+                else ast.Attribute(node, attr, ast.Load()))
+    return node
+
+
+def class_namespace(base: type, kind: QKAttentionKind) -> dict[str, object]:
+    """What ``fused.fused_class`` puts in the fused attention class beside its common entries and its forward
+    (``qk_runtime.attention_forward`` under the original's name and signature)."""
+    return {
+        "_hf_rmsnorm_checked_forward": staticmethod(base.forward),
+        "_hf_rmsnorm_body": staticmethod(fused_attention_forward(base, kind)),
+    }
+
+
+def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, str],
+                   class_problem: Callable[[type], str | None]) -> tuple[list[tuple[str, nn.Module, QKAttentionKind]],
+                                                                        list[tuple[str, str]]]:
+    """The attention modules among ``modules`` (the model's, with their names) whose q/k site is fused, and why each
+    other module with two patched norms among its children is not (``(name, reason)`` for the report)."""
+    fused: list[tuple[str, nn.Module, QKAttentionKind]] = []
+    skipped: list[tuple[str, str]] = []
+    verdicts: dict[object, RopeVerdict | str] = {}
+    kinds: dict[tuple[type, frozenset], QKAttentionKind | str] = {}
+    for name, module in modules:
+        if sum(child in norms for child in module.children()) < 2:
+            continue
+        cls = type(module)
+        source = derived_source.class_forward(cls)
+        paths = frozenset(path for path in module_calls(cls) if _module_at(module, path) in norms)
+        if isinstance(source, str) or len(paths) < 2:
+            if isinstance(source, str):  # why its source gave no calls
+                skipped.append((name, f"{UNFUSED}{class_problem(cls) or source}"))
+            continue
+        if (cls, paths) not in kinds:
+            kinds[cls, paths] = class_problem(cls) or attention_kind(cls, paths, verdicts)
+        kind = kinds[cls, paths]
+        problem = kind if isinstance(kind, str) else instance_problem(module) or _tensor_parallel_problem(module)
+        if problem is None:
+            fused.append((name, module, kind))
+        else:
+            skipped.append((name, f"{UNFUSED}{problem}"))
+    return fused, skipped
+
+
+def _tensor_parallel_problem(attention: nn.Module) -> str | None:
+    planned = [name or "the attention" for name, module in attention.named_modules() if tensor_parallel_planned(module)]
+    if planned or any(type(p) is not nn.Parameter and type(p) is not torch.Tensor for p in attention.parameters()):
+        return (f"a tensor-parallel plan shards this attention ({', '.join(planned) or 'DTensor parameters'}); the "
+                "fused site is not proven right under it")
+    return None
+
+
+def _module_at(module: nn.Module, path: tuple[str, ...]) -> object:
+    for attr in path:
+        module = getattr(module, attr, None)
+    return module

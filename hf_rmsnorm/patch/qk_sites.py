@@ -1,0 +1,316 @@
+"""Where an attention forward normalises its query and key heads and then applies its rotary embedding
+(``qk_site``), and why running the two norms and the RoPE as one ``qk_norm_rope`` launch at the RoPE's statement
+(``qk_attention.py``) cannot change what the forward computes.
+
+The pattern, in the attention's own names (``N`` is ``self.<path>``, a patched norm, called with one argument;
+``OPS`` is a chain of ``.view(...)`` and ``.transpose(1, 2)``, possibly empty, possibly split over statements
+``Q = OPS(Q)``; ``F`` a global function)::
+
+    Q = OPS_q(self.q_norm(A_q))          ->  _hf_rmsnorm_q = A_q
+    K = OPS_k(self.k_norm(A_k))          ->  _hf_rmsnorm_k = A_k
+    ... other statements ...                 ... (the same) ...
+    Q, K = F(Q, K, C, S)                 ->  Q, K = norm_rope(self, self.q_norm, self.k_norm, F, _hf_rmsnorm_q,
+                                                               _hf_rmsnorm_k, C, S, <view args>)
+
+Qwen3 writes ``self.q_norm(proj.view(shape)).transpose(1, 2)`` (a norm per head), Gemma 3 ``Q = self.q_norm(Q)`` on
+the heads already transposed (per head), OLMo 2 ``Q = self.q_norm(proj)`` then ``Q = Q.view(shape).transpose(1,
+2)`` (one norm over all of a token's heads). ``norm_rope`` (``qk_runtime.py``) checks at every call that the kernel
+computes what the original statements did (below) and runs ``qk_norm_rope``; otherwise it evaluates them: the norms
+on their inputs, ``OPS``, then ``F``.
+
+**Why the rewrite computes what it replaces.** The kernel computes, for each of q and k, the norm over each row of
+its input followed by ``rotate_half`` RoPE; the rewrite is exact when (a) the values the norms and ``F`` would
+read at their new moment (the RoPE's statement) are those they read at the original one, with nothing observing
+the difference, (b) ``OPS`` only rearranges the rows the kernel normalises, and (c) ``F`` computes the kernel's RoPE
+(the probe, ``qk_probe.py``). The argument takes Python's semantics and four facts of the models: looking up
+``self.<path>`` runs no code of the model; a norm does not change its argument; a module called (its forward) changes
+neither its arguments nor another module's parameters; ``view`` and ``transpose`` return views, which compute
+nothing. Each invariant below is checked; a forward breaking one keeps its norms and RoPE as written, and the report
+says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attention).
+
+1. *The forward's own statements.* The norm statements, the statements ``Q = OPS(Q)`` and the RoPE statement are
+   statements of the forward's body itself, not inside an ``if``, loop, ``try`` or ``with`` (where they may not
+   run, run again, or be observed by a handler after an exception), and ``self.q_norm(...)`` is the value of its
+   statement (after ``OPS``): nothing else of that statement runs after the norm.
+2. *Nothing in between reads or rebinds the values.* Between the first norm statement and the RoPE call, ``Q`` and
+   ``K`` (which no longer hold the normed values) are read by nothing but ``OPS`` statements and the RoPE call, and
+   the names the whole-projection ``view`` reads, read again at the RoPE's statement, are plain locals nothing in
+   between rebinds.
+3. *Nothing in between runs other code.* Each other statement in between is an assignment to names of a value that
+   only reads (names, constants, attributes, items), calls modules ``self.<path>(...)`` on such values, or takes views
+   of them (``view``, ``transpose``, ``reshape``): no function of unknown effect, so the norms' inputs, weights and
+   eps are at the RoPE's statement what they were at the norms' (a module does not change another's parameters), and
+   an exception one of them raises leaves what the original left (no norm had anything to leave). The modules called
+   there are guarded like the norms: a hook on one runs the original forward (``qk_runtime``).
+4. *The rows the kernel normalises.* The norm's output reaches ``F`` through ``OPS`` = nothing or ``.transpose(1,
+   2)`` (a norm over the last dimension of a 4-D tensor: a norm per head; transposing dimensions 1 and 2 keeps each
+   head's row), or ``.view(...).transpose(1, 2)`` (a norm over the last dimension of a 3-D tensor, viewed into
+   heads: a norm over all of a token's heads, when the view keeps the first two dimensions, which ``norm_rope``
+   checks with the dimension counts).
+5. *The RoPE is the model's function.* ``F`` is a name the forward's module defines (a global, not a local), called
+   with the four positional arguments ``Q, K, C, S`` and bound back to ``Q, K``. At every call ``norm_rope`` checks
+   that the ``F`` the statement evaluated is the function probed when patching, with the code and module-level
+   functions it had then.
+"""
+
+from __future__ import annotations
+
+import ast
+import types
+from dataclasses import dataclass
+
+from . import derived_source
+from .derived_sites import plain_locals
+from .derived_syntax import attribute_path, module_call, reads_only, self_name
+
+# The methods whose calls only take views, allowed in the statements between the norms and the RoPE (invariant 3).
+_VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
+TRANSPOSE, VIEW = "transpose", "view"
+# The layouts of invariant 4: what may follow each norm (``OPS``), and whether the norm is per head.
+LAYOUTS = {(): True, (TRANSPOSE,): True, (VIEW, TRANSPOSE): False}
+
+
+@dataclass(frozen=True)
+class QKSite:
+    """A q/k norm + RoPE site of an attention forward: the norms' attribute paths, the RoPE function's global name,
+    the RoPE statement's line, whether the norms are per head (else over a token's heads together), ``OPS`` after
+    each norm (``LAYOUTS``' keys) and the paths of the modules called between the norms and the RoPE (guarded
+    as the norms are)."""
+
+    q_norm: tuple[str, ...]
+    k_norm: tuple[str, ...]
+    rope: str
+    line: int
+    per_head: bool
+    q_ops: tuple[str, ...]
+    k_ops: tuple[str, ...]
+    between: tuple[tuple[str, ...], ...]
+
+    @property
+    def label(self) -> str:
+        over = "per head" if self.per_head else "over each token's heads"
+        return (f"{'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} ({over}) and {self.rope} at line {self.line}")
+
+
+@dataclass(eq=False)
+class _Chain:
+    """How one of ``Q``/``K`` reaches the RoPE: its norm statement (index), the norm call, ``OPS`` (kinds and the
+    ``view``'s call node, if any), and the indices of its ``Q = OPS(Q)`` statements."""
+
+    index: int
+    call: ast.Call
+    ops: tuple[str, ...]
+    view: ast.Call | None
+    view_index: int
+    dropped: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class SitePlan:
+    """``QKSite`` and the nodes of the parse it was found in, which ``qk_attention`` rewrites in place."""
+
+    site: QKSite
+    statements: list[ast.stmt]
+    rope_index: int
+    q: _Chain
+    k: _Chain
+
+
+def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
+    """The attribute paths of the ``self.<path>(x)`` calls of ``cls``'s forward (empty when its source cannot be
+    derived from): the planner tells ``qk_site`` which of them are patched norms."""
+    forward = derived_source.class_forward(cls)
+    if isinstance(forward, str):
+        return frozenset()
+    name = self_name(forward.node)
+    return frozenset(path for node in ast.walk(forward.node) if (path := module_call(node, name)) is not None)
+
+
+def qk_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
+            norms: frozenset[tuple[str, ...]]) -> SitePlan | str:
+    """The q/k norm + RoPE site of ``function`` (a parse of ``forward``'s def of its own) whose norm calls are
+    ``self.<path>`` for ``path`` in ``norms``; or why there is none (the first invariant broken)."""
+    statements = function.body
+    me = self_name(function)
+    plain = plain_locals(forward.undecorated.__code__, function)
+    reasons = []
+    for r, statement in enumerate(statements):
+        rope = _rope_call(statement, forward.undecorated.__code__)
+        if rope is None:
+            continue
+        found = _site_at(statements, r, rope, me, norms, plain)
+        if isinstance(found, SitePlan):
+            return found
+        reasons.append(f"line {statement.lineno}: {found}")
+    if reasons:
+        return "; ".join(reasons)
+    return ("no statement Q, K = F(Q, K, cos, sin) of a global F follows the q/k norms at the forward's top level "
+            "(invariants 1, 5)")
+
+
+def _rope_call(statement: ast.stmt, code: types.CodeType) -> tuple[str, str, str] | None:
+    """``(F, Q, K)`` for ``Q, K = F(Q, K, C, S)`` with ``F`` a global name (no local of the forward)."""
+    if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+            and isinstance(statement.targets[0], ast.Tuple) and len(statement.targets[0].elts) == 2):
+        return None
+    value, targets = statement.value, statement.targets[0].elts
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and len(value.args) == 4
+            and not value.keywords and not any(isinstance(a, ast.Starred) for a in value.args)):
+        return None
+    q, k = value.args[:2]
+    if not all(isinstance(n, ast.Name) for n in (q, k, *targets)) or [t.id for t in targets] != [q.id, k.id]:
+        return None
+    if q.id == k.id or value.func.id in code.co_varnames + code.co_cellvars + code.co_freevars:
+        return None
+    return value.func.id, q.id, k.id
+
+
+def _site_at(statements: list[ast.stmt], r: int, rope: tuple[str, str, str], me: str,
+             norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> SitePlan | str:
+    name, q_name, k_name = rope
+    chains = []
+    for value in (q_name, k_name):
+        chain = _chain(statements, r, value, me, norms)
+        if isinstance(chain, str):
+            return chain
+        chains.append(chain)
+    q, k = chains
+    q_norm, k_norm = module_call(q.call, me), module_call(k.call, me)
+    if q_norm == k_norm:
+        return f"{q_name} and {k_name} go through the same norm self.{'.'.join(q_norm)}"
+    if q.ops not in LAYOUTS or k.ops not in LAYOUTS or LAYOUTS[q.ops] != LAYOUTS[k.ops]:
+        return (f"the norms' outputs reach {name} through {'.'.join(q.ops) or 'nothing'} and "
+                f"{'.'.join(k.ops) or 'nothing'}: not the per-head or whole-projection layouts of the kernel "
+                "(invariant 4)")
+    first = min(q.index, k.index)
+    chain_statements = {q.index, k.index, *q.dropped, *k.dropped}
+    between: list[tuple[str, ...]] = []
+    for j in range(first + 1, r):
+        if j in chain_statements:
+            continue
+        problem = _between_problem(statements[j], me, between)
+        if problem is not None:
+            return f"line {statements[j].lineno} {problem}"
+    later, other = (k, q_name) if k.index > q.index else (q, k_name)
+    argument = later.call.args[0]
+    if any(isinstance(n, ast.Name) and n.id == other for n in ast.walk(argument)):
+        return f"line {statements[later.index].lineno}'s norm reads {other}, no longer normed (invariant 2)"
+    if not _only_views_and_modules(argument, me, between):
+        return (f"line {statements[later.index].lineno} evaluates {ast.unparse(argument)} after the first norm: more "
+                "than module calls and views (invariant 3)")
+    for chain in (q, k):
+        problem = _view_names_problem(statements, chain, r, plain)
+        if problem is not None:
+            return problem
+    site = QKSite(q_norm, k_norm, name, statements[r].lineno, LAYOUTS[q.ops], q.ops, k.ops,
+                  tuple(dict.fromkeys(between)))
+    return SitePlan(site, statements, r, q, k)
+
+
+def _chain(statements: list[ast.stmt], r: int, value: str, me: str,
+           norms: frozenset[tuple[str, ...]]) -> _Chain | str:
+    """How ``value`` reaches the RoPE at ``statements[r]``: back through ``value = OPS(value)`` statements to
+    ``value = OPS(self.<norm>(A))``; statements naming ``value`` otherwise are refused (invariants 1, 2)."""
+    ops: tuple[str, ...] = ()
+    view, view_index, dropped = None, -1, []
+    for j in range(r - 1, -1, -1):
+        statement = statements[j]
+        if not any(isinstance(n, ast.Name) and n.id == value for n in ast.walk(statement)):
+            continue
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == value):
+            return (f"line {statement.lineno} names {value} otherwise than binding it to its norm's output or a "
+                    "view of it (invariants 1, 2)")
+        base, step = _peel(statement.value)
+        if step is None:
+            return (f"line {statement.lineno} applies to {value} something else than view and transpose(1, 2) "
+                    "(invariant 4)")
+        ops = tuple(kind for kind, _ in step) + ops
+        view_calls = [call for kind, call in step if kind == VIEW]
+        if view_calls:
+            view, view_index = view_calls[-1], j
+        if isinstance(base, ast.Name) and base.id == value and step:
+            dropped.append(j)
+            continue
+        path = module_call(base, me)
+        if path is None or path not in norms:
+            return (f"line {statement.lineno} binds {value} to neither a patched norm's output nor a view (view, "
+                    "transpose(1, 2)) of one (invariants 1, 4)")
+        if any(isinstance(n, ast.Name) and n.id == value and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(base)):
+            return f"line {statement.lineno} binds {value} inside its norm's argument"
+        return _Chain(j, base, ops, view, view_index, tuple(dropped))
+    return f"{value} is bound by no norm statement before the RoPE (invariant 1)"
+
+
+def _peel(expr: ast.expr) -> tuple[ast.expr, list[tuple[str, ast.Call]] | None]:
+    """``(base, [(kind, call), ...])`` for ``base.view(...).transpose(1, 2)...`` (ops in the order they apply);
+    None as the list when a ``view`` reads more than names and constants (or a transpose is not (1, 2))."""
+    step: list[tuple[str, ast.Call]] = []
+    while (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute)
+           and expr.func.attr in (VIEW, TRANSPOSE) and not expr.keywords):
+        if expr.func.attr == TRANSPOSE:
+            if [a.value if isinstance(a, ast.Constant) else None for a in expr.args] != [1, 2]:
+                return expr, None
+        elif not all(_plain_argument(a) for a in expr.args):
+            return expr, None
+        step.insert(0, (expr.func.attr, expr))
+        expr = expr.func.value
+    return expr, step
+
+
+def _plain_argument(node: ast.expr) -> bool:
+    """A name, a constant, ``*name``, or a tuple of these: what a ``view`` may read at the RoPE's statement."""
+    if isinstance(node, ast.Starred):
+        return isinstance(node.value, ast.Name)
+    if isinstance(node, ast.Tuple):
+        return all(_plain_argument(e) for e in node.elts)
+    return isinstance(node, (ast.Name, ast.Constant)) or (
+        isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant))
+
+
+def _between_problem(statement: ast.stmt, me: str, between: list[tuple[str, ...]]) -> str | None:
+    """Invariant 3 for a statement between the norms and the RoPE (``_chain`` refused any naming ``Q`` or ``K``:
+    invariant 2); records the modules it calls."""
+    if not isinstance(statement, (ast.Assign, ast.AnnAssign)) or statement.value is None:
+        return "is no assignment: it could run code that sees or changes what the norms read (invariant 3)"
+    targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+    for target in targets:
+        names = target.elts if isinstance(target, ast.Tuple) else [target]
+        if not all(isinstance(n, ast.Name) for n in names):
+            return f"assigns to {ast.unparse(target)}, not to names (invariant 3)"
+    calls: list[tuple[str, ...]] = []
+    if not _only_views_and_modules(statement.value, me, calls):
+        return f"evaluates {ast.unparse(statement.value)}: more than module calls and views (invariant 3)"
+    between.extend(path for path in calls if path not in between)
+    return None
+
+
+def _only_views_and_modules(expr: ast.expr, me: str, calls: list[tuple[str, ...]]) -> bool:
+    if reads_only(expr):
+        return True
+    if not isinstance(expr, ast.Call) or any(not reads_only(k.value) for k in expr.keywords):
+        return False
+    if not all(_only_views_and_modules(a, me, calls) for a in expr.args):
+        return False
+    path = attribute_path(expr.func, me)
+    if path is not None:
+        calls.append(path)
+        return True
+    return (isinstance(expr.func, ast.Attribute) and expr.func.attr in _VIEW_METHODS
+            and _only_views_and_modules(expr.func.value, me, calls))
+
+
+def _view_names_problem(statements: list[ast.stmt], chain: _Chain, r: int, plain: frozenset[str]) -> str | None:
+    """Invariant 2 for the names the whole-projection ``view`` reads, read again at the RoPE's statement."""
+    if chain.view is None:
+        return None
+    names = {n.id for a in chain.view.args for n in ast.walk(a) if isinstance(n, ast.Name)}
+    for name in names:
+        if name not in plain:
+            return f"the view's {name} is no plain local: read again at the RoPE, it could differ (invariant 2)"
+        for statement in statements[chain.view_index:r]:
+            if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, (ast.Store, ast.Del))
+                   for n in ast.walk(statement)):
+                return f"line {statement.lineno} rebinds the view's {name} before the RoPE (invariant 2)"
+    return None

@@ -1,0 +1,403 @@
+"""The q/k norms and RoPE of an attention module fused into one ``qk_norm_rope`` launch (``hf_rmsnorm.patch.
+qk_attention``): the site found in the forward's source, each invariant of ``qk_sites``' docstring broken by a toy
+(left as written with the reason, computing as unpatched), the RoPE probe accepting the model's function and refusing
+others, the checks made at every call, the hooks and wrappers that make the original forward run, and unpatching."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import qk_toys
+from qk_toys import (
+    HEAD_DIM, GemmaAttention, OlmoAttention, PartialRotaryAttention, QwenAttention, toy_attention_model, toy_inputs,
+)
+from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm.patch import qk_probe, qk_runtime
+from hf_rmsnorm.patch.qk_attention import UNFUSED
+
+
+@contextlib.contextmanager
+def counting_launches(monkeypatch):
+    """Counts the fused q/k launches made inside the block (a list holding the count)."""
+    calls = [0]
+    launch = qk_runtime.qk_norm_rope
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return launch(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(qk_runtime, "qk_norm_rope", counted)
+        yield calls
+
+
+def _run(model, dtype=torch.float32, rotary_dim=HEAD_DIM):
+    hidden, trig = toy_inputs(dtype, rotary_dim=rotary_dim)
+    with torch.no_grad():
+        return model(hidden, trig)
+
+
+def _qk_skips(report):
+    return [reason for name, reason in report.skipped if reason.startswith(UNFUSED)]
+
+
+# ----------------------------------------------------------------------------------- the three layouts
+
+
+@pytest.mark.parametrize("attention, per_head", [(QwenAttention, True), (GemmaAttention, True),
+                                                 (OlmoAttention, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_each_layout_runs_one_launch_and_computes_as_unpatched(attention, per_head, dtype, monkeypatch):
+    """Fused, the toy's output equals the unpatched one's to the norms' rounding (bitwise in half precision where
+    the norms' statistics agree, which on these rows they do)."""
+    model = toy_attention_model(attention, dtype)
+    expected = _run(model, dtype)
+    report = patch_model(model)
+    layout = "per head" if per_head else "over each token's heads"
+    assert report.fused_qk == [f"attention: q_norm, k_norm ({layout}) and apply_rotary_pos_emb at line "
+                               f"{_rope_line(attention)} -> one qk_norm_rope launch (full rotary)"]
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model, dtype)
+    assert launches[0] == 1
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 0.0, torch.float16: 0.0}[dtype]
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+    unpatch_model(model)
+    assert type(model.attention) is attention
+    assert torch.equal(_run(model, dtype), expected)
+
+
+def _rope_line(cls) -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(cls.forward)
+    return start + next(i for i, line in enumerate(lines) if "_rotary_pos_emb(query_states" in line)
+
+
+def test_partial_rotary_is_fused_where_the_function_rotates_part_of_the_head(monkeypatch):
+    model = toy_attention_model(PartialRotaryAttention, torch.bfloat16)
+    expected = _run(model, torch.bfloat16, rotary_dim=HEAD_DIM // 2)
+    report = patch_model(model)
+    assert report.fused_qk[0].endswith("(full and partial rotary)")
+    with counting_launches(monkeypatch) as launches:
+        assert torch.equal(_run(model, torch.bfloat16, rotary_dim=HEAD_DIM // 2), expected)
+    assert launches[0] == 1
+
+
+def test_a_full_rotary_function_given_partial_tables_runs_as_written(monkeypatch):
+    """Qwen3's function cannot take a narrower cos: the original statements run, and raise as they would."""
+    model = toy_attention_model(QwenAttention)
+    patch_model(model)
+    with counting_launches(monkeypatch) as launches, pytest.raises(RuntimeError):
+        _run(model, rotary_dim=HEAD_DIM // 2)
+    assert launches[0] == 0
+
+
+# ----------------------------------------------------------------------------------- the probe
+
+
+@pytest.mark.parametrize("function, reason", [
+    (qk_toys.interleaved_rotary_pos_emb, "does not compute the kernel's rotate_half RoPE"),
+    (qk_toys.fp32_rotary_pos_emb, "bit for bit in bf16"),
+])
+def test_the_probe_refuses_other_ropes(function, reason):
+    verdict = qk_probe.probe_rope(function)
+    assert isinstance(verdict, str) and reason in verdict
+
+
+def test_the_probe_accepts_hugging_faces_rope_in_every_dtype_pair():
+    verdict = qk_probe.probe_rope(qk_toys.apply_rotary_pos_emb)
+    assert {pair for pair, cast in verdict.dtypes} == set(qk_probe.DTYPE_PAIRS)
+    assert not any(cast for _, cast in verdict.dtypes) and not verdict.partial
+    assert qk_probe.probe_rope(qk_toys.partial_rotary_pos_emb).partial
+
+
+def test_olmo2s_rope_casting_back_is_probed_so():
+    from transformers.models.olmo2 import modeling_olmo2
+
+    verdict = dict(qk_probe.probe_rope(modeling_olmo2.apply_rotary_pos_emb).dtypes)
+    assert verdict[torch.bfloat16, torch.float32] is True and verdict[torch.bfloat16, torch.bfloat16] is False
+
+
+# ----------------------------------------------------------------------------------- checks at every call
+
+
+def test_a_rope_function_replaced_after_patching_runs_instead(monkeypatch):
+    """Liger-Kernel replaces a modeling module's apply_rotary_pos_emb: the replacement runs, unfused."""
+    model = toy_attention_model(QwenAttention)
+    patch_model(model)
+    seen, original = [], qk_toys.apply_rotary_pos_emb
+
+    def replacement(q, k, cos, sin):
+        seen.append(q.shape)
+        return original(q, k, cos, sin)
+
+    with counting_launches(monkeypatch) as launches:
+        monkeypatch.setattr(qk_toys, "apply_rotary_pos_emb", replacement)
+        _run(model)
+    assert launches[0] == 0 and len(seen) == 1
+
+
+def test_a_rotate_half_replaced_after_patching_runs_instead(monkeypatch):
+    model = toy_attention_model(QwenAttention)
+    expected = _run(model)
+    patch_model(model)
+    with counting_launches(monkeypatch) as launches:
+        monkeypatch.setattr(qk_toys, "rotate_half", lambda x: torch.zeros_like(x))
+        got = _run(model)
+    assert launches[0] == 0 and not torch.allclose(got, expected)
+
+
+def test_a_dtype_pair_not_probed_runs_as_written(monkeypatch):
+    """fp32 activations with bf16 tables: the norms' fp32 output and bf16 cos are no pair the probe tried."""
+    model = toy_attention_model(QwenAttention)
+    hidden, (cos, sin) = toy_inputs()
+    with torch.no_grad():
+        expected = model(hidden, (cos.bfloat16(), sin.bfloat16()))
+        patch_model(model)
+        with counting_launches(monkeypatch) as launches:
+            got = model(hidden, (cos.bfloat16(), sin.bfloat16()))
+    assert launches[0] == 0 and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------- hooks and wrappers
+
+
+_HOOKED = ["attention", "attention.q_norm", "attention.k_norm", "attention.v_proj", "attention.k_proj"]
+
+
+@pytest.mark.parametrize("path", _HOOKED)
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward"])
+def test_a_hook_on_the_site_runs_the_original_forward(path, hook, monkeypatch):
+    """A hook on the attention, its q/k norms or a module called between them and the RoPE sees the unpatched
+    calls: the original forward runs; removed, the next call is fused again."""
+    model = toy_attention_model(QwenAttention)
+    patch_model(model)
+    module = model.get_submodule(path)
+    seen = []
+    if hook == "forward":
+        handle = module.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    elif hook == "forward_pre":
+        handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+    else:
+        handle = module.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].shape))
+    hidden, trig = toy_inputs()
+    hidden.requires_grad_(True)
+    with counting_launches(monkeypatch) as launches:
+        model(hidden, trig).sum().backward()
+        assert launches[0] == 0 and seen
+        handle.remove()
+        model(hidden, trig).sum().backward()
+        assert launches[0] == 1
+
+
+def test_a_norm_hook_sees_what_it_sees_unpatched():
+    model = toy_attention_model(QwenAttention)
+    hidden, trig = toy_inputs()
+    seen = {}
+    for label in ("eager", "patched"):
+        outputs = []
+        handle = model.attention.q_norm.register_forward_hook(lambda m, args, out: outputs.append(out))
+        with torch.no_grad():
+            model(hidden, trig)
+        handle.remove()
+        seen[label] = outputs[0]
+        patch_model(model)
+    assert seen["eager"].shape == seen["patched"].shape
+    assert torch.allclose(seen["eager"], seen["patched"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_wrapper_set_on_the_attention_class_after_patching_runs_unfused(monkeypatch):
+    model = toy_attention_model(QwenAttention)
+    patch_model(model)
+    wrapped = []
+    original = QwenAttention.forward
+
+    def wrapper(self, *args, **kwargs):
+        wrapped.append(True)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenAttention, "forward", wrapper)
+    with counting_launches(monkeypatch) as launches:
+        _run(model)
+    assert wrapped and launches[0] == 0
+
+
+def test_a_foreign_wrapper_before_patching_leaves_the_site_alone(monkeypatch):
+    import functools
+
+    original = QwenAttention.forward
+
+    @functools.wraps(original)
+    def wrapper(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(QwenAttention, "forward", wrapper)
+    report = patch_model(toy_attention_model(QwenAttention))
+    assert not report.fused_qk and _qk_skips(report)
+
+
+def test_the_fused_attention_keeps_state_dict_deepcopies_and_pickles():
+    import copy
+    import pickle
+
+    model = toy_attention_model(QwenAttention)
+    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    patch_model(model)
+    assert model.state_dict().keys() == keys.keys()
+    assert all(torch.equal(v, keys[k]) for k, v in model.state_dict().items())
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert type(twin.attention) is type(model.attention)
+        assert torch.equal(_run(twin), _run(model))
+
+
+def test_training_gradients_match_unpatched(monkeypatch):
+    torch.manual_seed(0)
+    grads = {}
+    for label in ("eager", "patched"):
+        model = toy_attention_model(QwenAttention, torch.float32).train()
+        if label == "patched":
+            patch_model(model)
+        hidden, trig = toy_inputs()
+        with counting_launches(monkeypatch) as launches:
+            model(hidden, trig).square().sum().backward()
+        assert launches[0] == (label == "patched")
+        grads[label] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["eager"].items():
+        scale = grad.abs().max().item()
+        assert (grads["patched"][name] - grad).abs().max().item() <= 1e-4 * scale, name
+
+
+# ----------------------------------------------------------------------------------- the invariants, broken
+
+
+class _BranchAttention(QwenAttention):
+    """1: the norms in a branch."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.head_dim:
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _ReadBetweenAttention(QwenAttention):
+    """2: the normed queries read between the norms and the RoPE."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2) + query_states[:, :1, :, :1]
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _RebindShapeAttention(OlmoAttention):
+    """2: the view's shape rebound before the RoPE reads it again."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        hidden_shape = input_shape
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _CallBetweenAttention(QwenAttention):
+    """3: a function of unknown effect called between the norms and the RoPE."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = torch.tanh(self.v_proj(hidden_states)).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _OtherLayoutAttention(QwenAttention):
+    """4: the normed heads reach the RoPE through another rearrangement."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).permute(0, 2, 1, 3)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _LocalRopeAttention(QwenAttention):
+    """5: the RoPE called through a local name."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        rope = apply_rotary_pos_emb
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = rope(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _InterleavedAttention(QwenAttention):
+    """The probe: a RoPE of interleaved pairs."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = interleaved_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+apply_rotary_pos_emb, interleaved_rotary_pos_emb = qk_toys.apply_rotary_pos_emb, qk_toys.interleaved_rotary_pos_emb
+
+_BROKEN = [
+    (_BranchAttention, "otherwise than binding it to its norm's output or a view of it (invariants 1, 2)"),
+    (_ReadBetweenAttention, "names query_states otherwise than binding it"),
+    (_RebindShapeAttention, "rebinds the view's hidden_shape before the RoPE (invariant 2)"),
+    (_CallBetweenAttention, "more than module calls and views (invariant 3)"),
+    (_OtherLayoutAttention, "nor a view (view, transpose(1, 2)) of one (invariants 1, 4)"),
+    (_LocalRopeAttention, "(invariants 1, 5)"),
+    (_InterleavedAttention, "does not compute the kernel's rotate_half RoPE"),
+]
+
+
+@pytest.mark.parametrize("attention, reason", _BROKEN, ids=[cls.__name__ for cls, _ in _BROKEN])
+def test_a_site_breaking_an_invariant_is_left_as_written_with_the_reason(attention, reason, monkeypatch):
+    model = toy_attention_model(attention)
+    expected = _run(model)
+    report = patch_model(model)
+    assert not report.fused_qk
+    assert any(reason in skip for skip in _qk_skips(report)), _qk_skips(report)
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model)
+    assert launches[0] == 0 and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,199 @@
+"""The fused q/k norms + RoPE on the real transformers classes of every family with q/k norms (``family_cases``'
+``qk`` column): what the report lists, parity with the unpatched model (fp32 logits, bf16 against fp64, gradients),
+every cache kind, both checkpointing kinds, PEFT LoRA on the projections, torch.compile(fullgraph=True), and the
+ops a patched layer dispatches (the README's launch-savings rows)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from family_cases import CASES
+from patch_models import OpCounter, Parity, assert_patch_keeps_greedy_tokens, input_ids, tiny_model, training_step
+from torch.utils._python_dispatch import _disable_current_modes
+
+from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm.ops.functional import BoundNorm
+from hf_rmsnorm.patch import qk_attention, qk_runtime
+from hf_rmsnorm.patch.qk_attention import UNFUSED
+
+QK_CASES = [name for name, case in CASES.items() if case.qk]
+# One of each layout (per head before and after the transpose, over the whole projection) and an MoE.
+MAIN_QK = ["qwen3", "gemma3_text", "olmo2", "qwen3_moe"]
+
+
+def _model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
+    case = CASES[name]
+    return tiny_model(case.model_type, dtype, **{**case.config, **kwargs})
+
+
+@contextlib.contextmanager
+def counting_launches(monkeypatch):
+    calls = [0]
+    launch = qk_runtime.qk_norm_rope
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return launch(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(qk_runtime, "qk_norm_rope", counted)
+        yield calls
+
+
+@pytest.mark.parametrize("name", QK_CASES)
+def test_the_report_lists_each_attention_fused(name):
+    report = patch_model(_model(name))
+    assert len(report.fused_qk) == CASES[name].qk
+    assert not [reason for _, reason in report.skipped if reason.startswith(UNFUSED)]
+
+
+@pytest.mark.parametrize("name", ["nanochat", "exaone4"])
+def test_q_k_norms_of_another_order_are_reported(name):
+    """NanoChat applies its RoPE before the norms; Exaone 4 applies it in a branch (sliding layers only)."""
+    report = patch_model(_model(name))
+    assert not report.fused_qk
+    assert any(reason.startswith(UNFUSED) for _, reason in report.skipped)
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(input_ids()).logits
+
+
+@pytest.mark.parametrize("name", MAIN_QK)
+def test_parity_with_the_unpatched_model(name, monkeypatch):
+    """fp32 logits within 1e-5 of the largest; bf16 no less accurate than eager against fp64; unpatching gives the
+    eager logits back; the fused launch runs in both dtypes."""
+    model = _model(name)
+    parity = Parity(model, _logits)
+    patch_model(model)
+    with counting_launches(monkeypatch) as launches:
+        parity.check_patched()
+    assert launches[0] >= 2 * CASES[name].qk
+
+
+@pytest.mark.parametrize("name", MAIN_QK)
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
+def test_gradients_match_the_unpatched_model(name, checkpointing, monkeypatch):
+    """Gradients within 1e-4 of the largest, without and with either kind of activation checkpointing."""
+    grads = {}
+    for patched in (False, True):
+        model = _model(name).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
+        if patched:
+            patch_model(model)
+        with counting_launches(monkeypatch) as launches:
+            _, _, grads[patched] = training_step(model, input_ids())
+        assert (launches[0] > 0) == patched
+    for key, grad in grads[False].items():
+        scale = grad.abs().max().item()
+        assert (grads[True][key] - grad).abs().max().item() <= 1e-4 * scale, key
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "olmo2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])  # "offloaded" needs CUDA
+def test_generate_with_every_cache_kind(name, cache, monkeypatch):
+    model = _model(name)
+    model.generation_config.cache_implementation = None if cache == "dynamic" else cache
+    with counting_launches(monkeypatch) as launches:
+        assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
+    assert launches[0] >= 4 * CASES[name].qk
+
+
+@pytest.mark.parametrize("order", ["patch first", "lora first"])
+def test_lora_on_the_projections(order, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "k_proj"], init_lora_weights=False)
+    reference = get_peft_model(_model("qwen3").train(), config)
+    model = _model("qwen3").train()
+    if order == "patch first":
+        patch_model(model)
+        model = get_peft_model(model, config)
+    else:
+        model = get_peft_model(model, config)
+        patch_model(model)
+    model.load_state_dict(reference.state_dict())
+    assert len(patch_model(model).fused_qk) == 2
+    grads = {}
+    for label, m in (("eager", reference), ("patched", model)):
+        with counting_launches(monkeypatch) as launches:
+            _, logits, grads[label] = training_step(m, input_ids())
+        assert (launches[0] > 0) == (label == "patched")
+    lora = [key for key in grads["eager"] if "lora_" in key]
+    assert lora
+    for key in lora:
+        scale = grads["eager"][key].abs().max().item()
+        assert (grads["patched"][key] - grads["eager"][key]).abs().max().item() <= 1e-4 * scale, key
+    unpatch_model(model)
+    assert all(type(m).__module__.startswith(("transformers", "peft", "torch")) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_torch_compile_fullgraph_calls_the_fused_operator(name):
+    model = _model(name)
+    expected = _logits(model)
+    patch_model(model)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    got = _logits(compiled)
+    assert any("qk_norm_rope_fwd" in graph for graph in graphs)
+    assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+# ----------------------------------------------------------------------------------- ops a patched layer dispatches
+
+
+class _NonViewCounter(OpCounter):
+    """``OpCounter`` without views: ops that alias their input, and ``_unsafe_view`` (a reshape of a tensor no one
+    else holds, which copies nothing). One Triton launch counts one op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket.__name__ != "_unsafe_view":
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> int:
+    """Ops of one patched decoder layer of ``name`` in bf16, from models of 2 and 3 layers."""
+    totals = {}
+    for depth in (2, 3):
+        model = _model(name, torch.bfloat16, layers=depth)
+        with monkeypatch.context() as patch:
+            if not fuse_qk:
+                patch.setattr(qk_attention, "plan_attention", lambda modules, norms, problem: ([], []))
+            patch_model(model)
+        counter = _NonViewCounter()
+        with monkeypatch.context() as patch, torch.no_grad():
+            for method in ("norm", "fused_add_norm", "norm_add"):
+                patch.setattr(BoundNorm, method, counter.count_kernels(getattr(BoundNorm, method)))
+            patch.setattr(qk_runtime, "qk_norm_rope", counter.count_kernels(qk_runtime.qk_norm_rope))
+            with counter:
+                model(input_ids())
+        totals[depth] = sum(counter.counts.values())
+    return totals[3] - totals[2]
+
+
+# Ops of one tiny layer in bf16, (q/k norms apart, fused with the RoPE) (README's launch-savings table): the q/k
+# norms and RoPE were 2 norm kernels and 10 aten ops (mul, neg, cat, mul, add for each of q and k), now 1 launch;
+# OLMo 2's RoPE casts back to bf16 either way. Gemma 3 saves one op more: normalised apart, its heads left the norm
+# kernel in a layout for which SDPA copies its output (a clone); its count includes 5 ops of SDPA's repeat_kv and
+# mask (2 clone, 2 scalar_tensor, 1 where).
+LAYER_OPS = {"qwen3": (26, 15), "gemma3_text": (34, 22), "olmo2": (28, 17)}
+
+
+@pytest.mark.parametrize("name", list(LAYER_OPS))
+def test_ops_of_a_patched_layer(name, monkeypatch):
+    before, after = LAYER_OPS[name]
+    assert _layer_ops(name, monkeypatch, fuse_qk=False) == before
+    assert _layer_ops(name, monkeypatch, fuse_qk=True) == after
