@@ -26,9 +26,10 @@ class Role(Enum):
 
     PATCHED = "a class made by an earlier patch_model call"
     REGISTERED_NORM = "a norm class a family of families.py names"
-    TORCH_LAYER_NORM = "torch's nn.LayerNorm: a LayerNorm family's stack says whether it reads the residual stream"
+    TORCH_LAYER_NORM = "torch's nn.LayerNorm itself: run exactly, wherever it sits (conversion.py)"
     RMS_NORM_LIKE = "torch's nn.RMSNorm, or a class named *RMSNorm*: recognised by what it computes"
-    OWN_LAYER_NORM = "a model's own class named *LayerNorm: recognised by what it computes, centred modes included"
+    OWN_LAYER_NORM = ("a model's own class named *LayerNorm, or a subclass of nn.LayerNorm: recognised by what it "
+                      "computes, centred modes included")
     OTHER_NORM = "any other class named *Norm*: reported, never patched"
     REGISTERED_LAYER = "a decoder-layer class a family names"
     DECODER_LAYER = "a class named *DecoderLayer, *Block or *Layer: recognised by its code, or derived"
@@ -57,9 +58,9 @@ def norm_role(cls: type) -> Role | None:
     alone."""
     if issubclass(cls, nn.RMSNorm) or "RMSNorm" in cls.__name__:
         return Role.RMS_NORM_LIKE
-    if issubclass(cls, nn.LayerNorm):
+    if cls is nn.LayerNorm:
         return Role.TORCH_LAYER_NORM
-    if cls.__name__.endswith("LayerNorm"):
+    if issubclass(cls, nn.LayerNorm) or cls.__name__.endswith("LayerNorm"):
         return Role.OWN_LAYER_NORM
     if "Norm" in cls.__name__:
         return Role.OTHER_NORM

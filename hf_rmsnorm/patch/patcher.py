@@ -545,7 +545,7 @@ def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     """Why ``norm`` lacks an attribute its kind's forward reads, if it does."""
     if kind.weight_attr is not None and not isinstance(getattr(norm, kind.weight_attr, None), Tensor):
         return f"{type(norm).__name__} has no {kind.weight_attr} tensor"
-    if not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
+    if kind.eps_attr is not None and not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
         return f"{type(norm).__name__} has no numeric {kind.eps_attr}"
     if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, ()), (Tensor, type(None))):
         return f"{type(norm).__name__}.{kind.bias_attr} is neither a tensor nor None"
