@@ -22,7 +22,14 @@ from urllib.parse import urlparse
 
 import torch
 import transformers
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from .cli import InputError
 from .presets import ENCODER_PRESETS, PRESETS, REAL_PRESETS, RealPreset, build_preset, preset_names
@@ -106,11 +113,15 @@ def _from_pretrained(
     local_only: bool,
     with_tokenizer: bool,
     encoder: bool = False,
+    num_labels: int | None = None,
     **file_args,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     # On a GPU, device_map puts the weights straight on the card (one device: no accelerate hooks).
     device_map = {"": device} if device.type != "cpu" else None
-    auto_class = AutoModel if encoder else AutoModelForCausalLM
+    if num_labels is not None:
+        auto_class, file_args = AutoModelForSequenceClassification, {**file_args, "num_labels": num_labels}
+    else:
+        auto_class = AutoModel if encoder else AutoModelForCausalLM
     model = auto_class.from_pretrained(
         source, dtype=dtype, device_map=device_map, local_files_only=local_only, **file_args
     )
@@ -146,7 +157,8 @@ def is_encoder(name_or_path: str) -> bool:
                                                               for a in architectures)
 
 
-def _load_directory(name: str, dtype: torch.dtype, device: torch.device, *, encoder: bool = False):
+def _load_directory(name: str, dtype: torch.dtype, device: torch.device, *, encoder: bool = False,
+                    num_labels: int | None = None):
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{name}: no such file or directory; {_choices_hint()}")
@@ -157,10 +169,11 @@ def _load_directory(name: str, dtype: torch.dtype, device: torch.device, *, enco
     with_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     try:
         return _from_pretrained(str(path), dtype, device, local_only=True, with_tokenizer=with_tokenizer,
-                                encoder=encoder)
+                                encoder=encoder, num_labels=num_labels)
     except (OSError, ValueError, KeyError) as exc:
         # Unknown model_type, a config that is not a causal LM, missing or corrupt weight files.
-        what = "an encoder" if encoder else "a causal LM"
+        what = ("a sequence classifier" if num_labels is not None else "an encoder" if encoder
+                else "a causal LM")
         raise ModelLoadError(f"{name}: transformers cannot load it as {what}: {_first_line(exc)}") from exc
 
 
@@ -252,6 +265,27 @@ def load_encoder(
     if name_or_path in ENCODER_PRESETS:
         return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None
     return _load_directory(name_or_path, dtype, device, encoder=True)
+
+
+def load_classifier(
+    name_or_path: str, *, num_labels: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Loads a model with a sequence-classification head of ``num_labels`` labels (``AutoModelForSequence
+    Classification``; a checkpoint without one gets a fresh head), in eval mode on ``device``, with its tokenizer
+    when one was saved: an encoder preset (``tiny-bert``: random weights) or a ``save_pretrained`` directory.
+
+    Raises:
+        ModelLoadError: with a one-line message saying what to pass instead.
+    """
+    device = torch.device(device)
+    if name_or_path in ENCODER_PRESETS:
+        model = build_preset(name_or_path, dtype=dtype, seed=seed, device=device, num_labels=num_labels)
+        return model, None
+    if not looks_like_path(name_or_path):
+        what = "a causal-LM preset" if name_or_path in preset_names() else "not a directory"
+        raise ModelLoadError(f"{name_or_path} is {what}: sequence classification takes an encoder preset "
+                             f"({', '.join(ENCODER_PRESETS)}) or a save_pretrained directory")
+    return _load_directory(name_or_path, dtype, device, num_labels=num_labels)
 
 
 def weights_source(name_or_path: str, model: PreTrainedModel, seed: int = 0) -> str:

@@ -187,24 +187,29 @@ def preset_names() -> list[str]:
 
 
 def build_preset(
-    name: str, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu"
+    name: str, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu",
+    num_labels: int | None = None,
 ) -> PreTrainedModel:
     """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on ``device`` (the
     full-size shapes are built where they will run: drawing 8B weights on a CPU takes minutes).
 
     The weights are drawn in fp32 and then cast to ``dtype`` (default fp32), so a preset holds the same values
-    (up to rounding) in every dtype.
+    (up to rounding) in every dtype. ``num_labels``: the preset with a sequence-classification head of that many
+    labels (``AutoModelForSequenceClassification``) instead.
 
     Raises:
         KeyError: ``name`` is not in ``PRESETS`` or ``ENCODER_PRESETS``.
     """
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, T5EncoderModel
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, T5EncoderModel
 
     if name not in PRESETS and name not in ENCODER_PRESETS:
         raise KeyError(f"unknown preset {name!r}: choose one of {', '.join([*PRESETS, *ENCODER_PRESETS])}")
     config = (PRESETS.get(name) or ENCODER_PRESETS[name])()
-    if name in PRESETS:
+    if num_labels is not None:
+        config.num_labels = num_labels
+        build = AutoModelForSequenceClassification.from_config
+    elif name in PRESETS:
         build = AutoModelForCausalLM.from_config
     else:  # an encoder-decoder's preset is its encoder
         build = T5EncoderModel._from_config if config.is_encoder_decoder else AutoModel.from_config
