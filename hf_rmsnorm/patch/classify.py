@@ -52,6 +52,15 @@ _NORMS = frozenset({Role.REGISTERED_NORM, Role.TORCH_LAYER_NORM, Role.RMS_NORM_L
                     Role.OTHER_NORM})
 
 
+def may_derive(role: Role) -> bool:
+    """Whether a module of ``role`` that calls patched norms of its own may get a forward derived from its code
+    (``derived_sites.py``), fusing the adds next to them: a decoder layer of no known shape, and any module that is
+    no norm, layer or stack (a post-LN sublayer such as BERT's ``*SelfOutput``). Each rewrite is exact wherever its
+    pattern is found, so this only says where the planner looks; of the second kind, one whose forward has no such
+    add is left alone without a word."""
+    return role in (Role.DECODER_LAYER, Role.OTHER)
+
+
 def norm_role(cls: type) -> Role | None:
     """The role of a norm class judged by its type and name alone (no registry), or None for a class that is no
     norm. Gated and grouped ``*RMSNorm`` variants are RMSNorm-like too, so their report says why they are left

@@ -233,13 +233,18 @@ def probe_mode(
         eps = eps if eps_attr is None else getattr(module, eps_attr)
         rows = probe_rows(width)
         outputs = []
-        try:
-            with torch.no_grad():
-                for input_dtype in input_dtypes or dict.fromkeys((dtype, model_dtype, torch.float32, torch.bfloat16)):
-                    x = rows.to(input_dtype)
+        # The dtypes its own parameters and the model feed it must work; another one its forward refuses (aten's
+        # layer_norm takes no fp32 input with a bf16 weight: Nemotron's) is one the model never feeds it.
+        required = (dtype, model_dtype)
+        with torch.no_grad():
+            for input_dtype in input_dtypes or dict.fromkeys((*required, torch.float32, torch.bfloat16)):
+                x = rows.to(input_dtype)
+                try:
                     outputs.append((x, cls.forward(stand_in, x)))
-        except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
-            return None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200]
+                except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
+                    if input_dtypes is None and input_dtype not in required:
+                        continue
+                    return None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200]
         for mode in modes:
             if all(_reproduces(x, expected, probe_weight, probe_bias, eps, mode) for x, expected in outputs):
                 return mode, ""
@@ -271,8 +276,26 @@ def _reproduces(
         if weight is None:
             return False
         weight = weight + offset  # in the weight's dtype, as the module's forward does
-    got = reference.forward_reference(x, None, weight, bias, eps, mode)[0]
-    return got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    candidates = [reference.forward_reference(x, None, weight, bias, eps, mode)[0]]
+    if MODES[mode].centre and not MODES[mode].cast_before_weight:
+        candidates += _torch_layer_norms(x, weight, bias, eps, MODES[mode].output_dtype(x.dtype, weight, bias))
+    return any(got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+               for got in candidates)
+
+
+def _torch_layer_norms(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       dtype: torch.dtype) -> list[Tensor]:
+    """What ``nn.LayerNorm`` itself returns for ``x`` (the layernorm mode *is* its maths, and the kernels run an
+    ``nn.LayerNorm`` as that mode), called as a model's own class may call it: on ``x`` and the parameters as they
+    are, and on all of them in fp32, rounded to ``dtype``. Compared besides the reference because aten reduces an
+    fp32 row in another order than the reference, an ulp apart (a class calling ``F.layer_norm``: OLMo's,
+    Nemotron's)."""
+    shape = (x.shape[-1],)
+    as_is = torch.nn.functional.layer_norm(x, shape, weight, bias, eps) if (
+        weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype) else None
+    in_fp32 = torch.nn.functional.layer_norm(
+        x.float(), shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps)
+    return [t.to(dtype) for t in (as_is, in_fp32) if t is not None]
 
 
 # -------------------------------------------------------------------------------------- layers and stacks
