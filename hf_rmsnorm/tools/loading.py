@@ -45,6 +45,12 @@ class ModelLoadError(InputError):
     """A model or setting the user named cannot be loaded; the message is one actionable line."""
 
 
+def _check_dtype(dtype: object) -> None:
+    """A ``ModelLoadError`` unless ``dtype`` is one of the ``DTYPES``."""
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     """``"bf16"``, ``"fp16"`` or ``"fp32"`` (or their torch spellings) as a ``torch.dtype``."""
     key = _DTYPE_ALIASES.get(name.lower(), name.lower())
@@ -259,8 +265,7 @@ def load_encoder(
     Raises:
         ModelLoadError: with a one-line message saying what to pass instead.
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    _check_dtype(dtype)
     device = torch.device(device)
     if name_or_path in ENCODER_PRESETS:
         return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None
@@ -317,8 +322,7 @@ def load_model(
     Raises:
         ModelLoadError: with a one-line message saying what to pass instead.
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    _check_dtype(dtype)
     device = torch.device(device)
     if name_or_path in PRESETS:
         return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None

@@ -253,6 +253,51 @@ def render_encoder(report: verify_encoder.EncoderVerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _loaded(config: VerifyConfig, device: torch.device, load: Callable[..., tuple]) -> tuple:
+    """``(model, tokenizer, plan, dtype, dtype name)`` of ``config.model`` loaded by ``load`` (``load_model`` or
+    ``load_encoder``), and planned: an unpatchable model is refused before any work (an ``InputError``)."""
+    dtype = parse_dtype(config.dtype)
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
+        model, tokenizer = load(config.model, dtype=dtype, device=device, seed=config.seed)
+    try:
+        planned = check_model(model)
+    except UnsupportedModelError as exc:
+        raise InputError(f"{config.model}: {exc}") from exc
+    return model, tokenizer, planned, dtype, dtype_name
+
+
+def _unpatched_and_reference(
+    model: torch.nn.Module, norms: list[str], dtype: torch.dtype, forward: Callable[[], torch.Tensor], what: str
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """``forward()`` of the unpatched model, recording every norm's input and output, then of the same weights upcast
+    in place to the reference dtype (``parity.upcast``, restored exactly after): ``(eager, reference, norm calls)``;
+    ``what`` names the output in the progress lines."""
+    with step(f"unpatched model: {what}, recording every norm's input and output"):
+        with recorded_norm_calls(model, norms) as norm_calls:
+            eager = forward()
+    reference_dtype = parity.reference_dtype(dtype)
+    with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
+        with parity.upcast(model, reference_dtype):
+            reference = forward()
+    return eager, reference, norm_calls
+
+
+def _patched(model: torch.nn.Module, norm_calls: list, on_gpu: bool, forward: Callable[[], torch.Tensor],
+             what: str) -> tuple[object, torch.Tensor, object]:
+    """Patches ``model`` in place and runs ``forward()`` again, then each patched norm on the unpatched run's
+    recorded inputs: ``(the patch report, the patched output, the norm outputs' agreement)``."""
+    with step("patching"):
+        patch = patch_model(model)
+    kernels = "" if on_gpu else " (Triton interpreter)"
+    with step(f"patched model{kernels}: {what}"):
+        patched = forward()
+    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
+        agreement = compare_norm_outputs(model, norm_calls)
+    norm_calls.clear()  # the recorded tensors are no longer needed
+    return patch, patched, agreement
+
+
 def _environment(device: torch.device) -> Environment:
     """The versions and the device of this run."""
     on_gpu = device.type == "cuda"
@@ -284,33 +329,16 @@ def run_encoder(config: VerifyConfig, device: torch.device,
         InputError: the model cannot be loaded or patched.
     """
     on_gpu = device.type == "cuda"
-    dtype = parse_dtype(config.dtype)
-    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-    with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
-        model, tokenizer = load_encoder(config.model, dtype=dtype, device=device, seed=config.seed)
-    try:
-        planned = check_model(model)
-    except UnsupportedModelError as exc:
-        raise InputError(f"{config.model}: {exc}") from exc
+    model, tokenizer, planned, dtype, dtype_name = _loaded(config, device, load_encoder)
     pad_id = workload.pad_token_id(model, tokenizer)
     vocab_size = model.get_input_embeddings().weight.shape[0]
     prompts = verify_encoder.parity_batch(tokenizer, vocab_size, max(2, config.batch_size), config.prompt_len,
                                           pad_id, device)
-    with step("unpatched model: hidden states, recording every norm's input and output"):
-        with recorded_norm_calls(model, planned.norms) as norm_calls:
-            eager = verify_encoder.hidden_states(model, prompts)
-    reference_dtype = parity.reference_dtype(dtype)
-    with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
-        with parity.upcast(model, reference_dtype):
-            reference = verify_encoder.hidden_states(model, prompts)
-    with step("patching"):
-        patch = patch_model(model)
-    kernels = "" if on_gpu else " (Triton interpreter)"
-    with step(f"patched model{kernels}: hidden states"):
-        patched = verify_encoder.hidden_states(model, prompts)
-    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
-        norm_agreement = compare_norm_outputs(model, norm_calls)
-    del norm_calls
+    def forward() -> torch.Tensor:
+        return verify_encoder.hidden_states(model, prompts)
+
+    eager, reference, norm_calls = _unpatched_and_reference(model, planned.norms, dtype, forward, "hidden states")
+    patch, patched, norm_agreement = _patched(model, norm_calls, on_gpu, forward, "hidden states")
     result = verify_encoder.compare(eager, patched, reference, prompts.attention_mask, dtype)
     failure = None if patch.norms else "nothing was patched, so parity proves nothing"
     report = verify_encoder.EncoderVerifyReport(
@@ -413,15 +441,7 @@ def run(config: VerifyConfig, device: torch.device,
     if is_encoder(config.model):
         return run_encoder(config, device, on_report)
     on_gpu = device.type == "cuda"
-    dtype = parse_dtype(config.dtype)
-    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-
-    with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
-        model, tokenizer = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
-    try:
-        planned = check_model(model)  # refuse an unpatchable model before any work
-    except UnsupportedModelError as exc:
-        raise InputError(f"{config.model}: {exc}") from exc
+    model, tokenizer, planned, dtype, dtype_name = _loaded(config, device, load_model)
     new_tokens = config.max_new_tokens
     pad_id = workload.pad_token_id(model, tokenizer)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -443,24 +463,16 @@ def run(config: VerifyConfig, device: torch.device,
         with step(f"{label}: up to {new_tokens} greedy tokens per row{compiled}"):
             return workload.greedy_tokens(model, prompts, new_tokens, pad_id, compile_on=compile_on)
 
-    # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
-    with step("unpatched model: logits, recording every norm's input and output"):
-        with recorded_norm_calls(model, planned.norms) as norm_calls:
-            eager_logits = workload.prompt_logits(model, prompts)
+    def forward() -> torch.Tensor:
+        return workload.prompt_logits(model, prompts)
+
+    # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held. The
+    # unpatched model generates after the reference ran: the upcast restores its weights bit for bit.
+    eager_logits, reference_logits, norm_calls = _unpatched_and_reference(model, planned.norms, dtype, forward,
+                                                                          "logits")
     eager_generation = generation("unpatched model")
-    reference_dtype = parity.reference_dtype(dtype)
-    with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
-        with parity.upcast(model, reference_dtype):
-            reference_logits = workload.prompt_logits(model, prompts)
-    with step("patching"):
-        patch = patch_model(model)
-    kernels = "" if on_gpu else " (Triton interpreter)"
-    with step(f"patched model{kernels}: logits"):
-        patched_logits = workload.prompt_logits(model, prompts)
-    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
-        norm_agreement = compare_norm_outputs(model, norm_calls)
-    del norm_calls
-    patched_generation = generation(f"patched model{kernels}")
+    patch, patched_logits, norm_agreement = _patched(model, norm_calls, on_gpu, forward, "logits")
+    patched_generation = generation(f"patched model{'' if on_gpu else ' (Triton interpreter)'}")
 
     result = parity.compare(
         eager_logits, patched_logits, reference_logits, dtype, eager_generation, patched_generation
