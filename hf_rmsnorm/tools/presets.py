@@ -139,10 +139,18 @@ def _tiny_bert() -> PretrainedConfig:
                    initializer_range=0.1)
 
 
+def _bert_base_shape() -> PretrainedConfig:
+    """BERT-base's shape: 12 post-LN layers of width 768, FFN 3072, 30522-token vocabulary (109M parameters): the
+    embedding workload of the encoder speed goal."""
+    return _config("BertConfig", vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                   intermediate_size=3072, max_position_embeddings=512, pad_token_id=PAD_TOKEN_ID)
+
+
 # Random-weight encoders (``AutoModel``'s class, T5's encoder alone), for ``scripts/verify.py``'s encoder path.
 ENCODER_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
     "tiny-t5-encoder": _tiny_t5_encoder,
     "tiny-bert": _tiny_bert,
+    "bert-base-shape": _bert_base_shape,
 }
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +66,7 @@ class EncoderSettings(Record):
 class EncoderParity(Record):
     """The unpatched and the patched encoder against the reference, and against each other."""
 
-    DERIVED = ("passed",)
+    DERIVED: ClassVar[tuple[str, ...]] = ("passed",)
 
     dtype: str
     reference_dtype: str
