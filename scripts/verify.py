@@ -36,7 +36,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "greedy-generation agreement with the generated text, the patch summary and, on a GPU, generate() "
         "prefill/decode speed and peak memory. On CPU the kernels run in Triton's interpreter (correctness "
         "only; no speed figures). The reference is the model upcast in place, so the run needs memory for the "
-        "model in fp32 (fp64).",
+        "model in fp32 (fp64). An encoder (or an encoder-decoder, through its encoder) is checked on its last "
+        "hidden state and mean-pooled sentence embeddings instead, and timed on an embedding forward of 32 x 128 "
+        "tokens.",
         epilog=f"Verdict: {VERDICT_RULE} {EXIT_STATUSES}",
     )
     parser.add_argument("--device", default="auto", choices=cli.DEVICES, help="auto: cuda if available, else cpu")

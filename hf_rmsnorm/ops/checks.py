@@ -181,14 +181,15 @@ def check_qk_norm_rope(
             rotary_dim]``; ``sin`` not of ``cos``'s shape and dtype; ``rotary_dim`` odd or above ``head_dim``; a
             weight not 1-D of its norm's width (``head_dim``, or ``heads * head_dim`` without ``per_head``); a norm
             row wider than the kernels' tile; a tensor not on ``q``'s device; an eps negative, infinite or NaN;
-            ``mode`` unknown or centring (LayerNorm).
+            ``mode`` unknown, centring (LayerNorm) or rounding to the weight's dtype (T5).
     """
     op = _QK_OP
     _check_dtypes_and_devices(op, _QK_NAMES, (q, k, q_weight, k_weight, cos, sin))
     m = MODES.get(mode)
-    if m is None or m.centre:
-        what = "is unknown" if m is None else "centres the rows (a LayerNorm)"
-        valid = ", ".join(name for name, mode_ in MODES.items() if not mode_.centre)
+    if m is None or m.centre or m.rounds_to_weight_dtype:
+        what = ("is unknown" if m is None else "centres the rows (a LayerNorm)" if m.centre
+                else "rounds to the weight's dtype (T5's norm, which has no q/k norms)")
+        valid = ", ".join(name for name, mode_ in MODES.items() if not (mode_.centre or mode_.rounds_to_weight_dtype))
         raise ValueError(f"{op}: mode {mode!r} {what}; {op} takes the RMSNorm modes: {valid}")
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 4:

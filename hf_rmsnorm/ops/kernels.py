@@ -20,9 +20,9 @@ row, which the first pass has just brought into L2, and writes the output.
 next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm.
 
 All arithmetic is in fp32 after loading (which is also what Triton's CPU interpreter needs: it stores bf16 as
-raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` and ``WEIGHT_OFFSET``
-(the modes of ``modes.py``; ``reference.py`` is the same maths in PyTorch). Row offsets are 64-bit, so a
-million tokens of width 8192 cannot overflow.
+raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` (to the input's dtype, or
+with ``CAST_TO_WEIGHT`` to the weight's) and ``WEIGHT_OFFSET`` (the modes of ``modes.py``; ``reference.py`` is the
+same maths in PyTorch). Row offsets are 64-bit, so a million tokens of width 8192 cannot overflow.
 """
 
 from __future__ import annotations
@@ -103,10 +103,20 @@ def _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL:
 
 
 @triton.jit
+def _rounded_row(n, W, NORM_DTYPE: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr):
+    """The normalised row ``n`` (fp32) rounded as a ``cast_before_weight`` mode rounds it before the weight
+    multiplies it: to the weight's dtype with ``CAST_TO_WEIGHT`` (T5; a no-op for an fp32 weight), else to the
+    norm's input dtype ``NORM_DTYPE`` (Llama); returned in fp32."""
+    if CAST_TO_WEIGHT:
+        return n.to(W.dtype.element_ty).to(tl.float32)
+    return n.to(NORM_DTYPE).to(tl.float32)
+
+
+@triton.jit
 def _scale_and_store(
     s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
     NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr, STREAMED: tl.constexpr = False,
+    CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr, STREAMED: tl.constexpr = False,
 ):
     """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
     weight ``y = norm(s) (+ b)`` in every mode. With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
@@ -120,8 +130,10 @@ def _scale_and_store(
         if WEIGHT_OFFSET != 0.0:
             w = w + WEIGHT_OFFSET
         if CAST_BEFORE_WEIGHT:
-            # Llama: the normalised row is rounded to the input dtype before the weight multiplies it.
-            y = y.to(NORM_DTYPE).to(tl.float32)
+            # Llama: the normalised row is rounded to the input dtype before the weight multiplies it; T5
+            # (CAST_TO_WEIGHT): to the weight's dtype (an fp32 weight: no rounding). The product of two fp16 or
+            # two bf16 values is exact in fp32, so its one rounding on the store is torch's half-precision multiply.
+            y = _rounded_row(y, W, NORM_DTYPE, CAST_TO_WEIGHT)
         y = y * w[None, :]
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -147,8 +159,9 @@ def norm_fwd_kernel(
     stride_x, stride_res, stride_y, stride_sum,
     eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    ADD_AFTER: tl.constexpr,
     STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Normalises rows ``BLOCK_M`` at a time. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
@@ -190,8 +203,8 @@ def norm_fwd_kernel(
             s = tl.where(mask, s - correction[:, None], 0.0)
         rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
         _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         ADD_AFTER)
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT,
+                         WEIGHT_OFFSET, ADD_AFTER)
         if STORE_STATS:
             _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
     else:
@@ -201,8 +214,8 @@ def norm_fwd_kernel(
             _normalise_looped_rows(
                 X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
                 stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
-                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET, CENTER, BLOCK_M, BLOCK_N,
-                ADD_AFTER, STORE_STATS, NUM_STAGES)
+                HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER,
+                BLOCK_M, BLOCK_N, ADD_AFTER, STORE_STATS, NUM_STAGES)
 
 
 @triton.jit
@@ -219,9 +232,9 @@ def _normalise_looped_rows(
     X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
     stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_AFTER: tl.constexpr,
+    STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One block of rows wider than a tile, in passes over column blocks: the first writes the residual sum and
     accumulates the sum of squares (the sum, when centring), pipelined; the last re-reads the norm's input,
@@ -267,8 +280,8 @@ def _normalise_looped_rows(
         if CENTER:
             s = s - mean[:, None]
         _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         ADD_AFTER, STREAMED=True)
+                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT,
+                         WEIGHT_OFFSET, ADD_AFTER, STREAMED=True)
     if STORE_STATS:
         _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER)
 
@@ -298,20 +311,21 @@ def _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER: tl.conste
 
 @triton.jit
 def _input_grad_tile(
-    DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
-    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CENTER: tl.constexpr,
+    DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, CENTER: tl.constexpr,
 ):
     """Loads one tile and returns ``(dy, n, g, n_weighted)``: the output gradient, the normalised row,
     ``g = dy * w`` (the gradient at the normalised row; ``dy`` without a weight) and the row the weight was
-    multiplied with. ``w`` is ``_load_weight``'s result for these columns."""
+    multiplied with. ``w`` is ``_load_weight``'s result for these columns (``W`` the weight's pointer, read for its
+    dtype only)."""
     dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER)
     if HAS_WEIGHT:
         g = dy * w[None, :]
     else:
         g = dy
-    if CAST_BEFORE_WEIGHT:
-        n_weighted = n.to(S.dtype.element_ty).to(tl.float32)
+    if CAST_BEFORE_WEIGHT and HAS_WEIGHT:
+        n_weighted = _rounded_row(n, W, S.dtype.element_ty, CAST_TO_WEIGHT)
     else:
         n_weighted = n
     return dy, n, g, n_weighted
@@ -360,8 +374,8 @@ def norm_bwd_kernel(
     n_rows, n_cols, n_row_blocks,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
     ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
@@ -401,8 +415,8 @@ def norm_bwd_kernel(
             # rather than held in registers for the whole loop, where it would be one more live tile.
             w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
         rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
-        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
-                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
         # The weight (and bias) gradient first: dy and the weighted row are then dead before the row reductions,
         # instead of live across them beside g and n (at 16384 bf16 elements that spilled 200-344 bytes).
         if HAS_WEIGHT:
@@ -434,8 +448,8 @@ def row_dot_kernel(
     DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
     stride_dy, stride_s,
-    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The wide backward's first kernel: for ``BLOCK_M`` rows, the row reductions every column of the input
     gradient needs, ``c = mean(g * n)`` into ``ROW_MEANS[rows]`` and, when ``CENTER``, ``mean(g)`` into
@@ -451,8 +465,8 @@ def row_dot_kernel(
         col_mask = cols < n_cols
         mask = row_mask[:, None] & col_mask[None, :]
         w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
-        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
-                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
         dot += g * n
         if CENTER:
             g_sum += g
@@ -467,8 +481,8 @@ def column_bwd_kernel(
     n_rows, n_cols, n_col_blocks, rows_per_group,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """The wide backward's second kernel: program ``p`` owns column block ``p % n_col_blocks`` of the row group
     ``p // n_col_blocks`` (``rows_per_group`` rows, a multiple of ``BLOCK_M``). It makes the input gradient of
@@ -494,8 +508,8 @@ def column_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
         c, g_mean = _load_stats(ROW_MEANS, rows, row_mask, n_rows, CENTER)
-        dy, n, g, n_weighted = _input_grad_tile(DY, S, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
-                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CENTER)
+        dy, n, g, n_weighted = _input_grad_tile(DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
+                                                HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES)

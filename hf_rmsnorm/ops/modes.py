@@ -8,12 +8,16 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
     llama:        y = w * n.to(x.dtype)  (+ b)                 output dtype: torch promotion of x, w (and b)
     gemma:        y = (n * (1 + w.float())).to(x.dtype)         output dtype: x.dtype
     fp32_affine:  y = (n * w.float() (+ b.float())).to(x.dtype) output dtype: x.dtype
+    t5:           y = w * n.to(w.dtype)  (+ b)                 output dtype: w.dtype for an fp16/bf16 weight
+                  (an fp32 weight: no cast, y = w * n in fp32)   (fp32 for an fp32 weight, fp64 for an fp64 input)
     layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
     layernorm_as_rmsnorm:  layernorm without the mean (a LayerNorm converted to RMSNorm)
     without a weight (every mode): y = n.to(x.dtype) (+ b, rounded as the mode rounds it)
 
 The LayerNorm modes normalise an fp64 input in fp64, as ``nn.LayerNorm`` does; the others in fp32, as Hugging
 Face's RMSNorm bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
+(T5's body is the one exception on the way: its variance is fp32 but ``x * rsqrt(var + eps)`` multiplies in the
+input's dtype promoted with fp32, fp64 for an fp64 input; the reference does the same.)
 
 ``docs/numerics.md`` explains which models use which mode and why the order of the roundings matters.
 """
@@ -35,6 +39,9 @@ import torch
 # implementation saves the same layout, its counters zero.
 STATS_SYNC_SLOTS = 4
 
+# The dtypes a T5-style norm rounds its normalised row to when its weight has one of them.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class Mode:
@@ -49,6 +56,11 @@ class Mode:
         promotes_output: the output dtype follows torch's promotion of the input, weight and bias dtypes
             (Llama's ``weight * n`` with an fp32 weight returns fp32); otherwise it is the input dtype.
         keeps_fp64: an fp64 input is normalised in fp64 (``nn.LayerNorm``), not in fp32.
+        rounds_to_weight_dtype: with ``cast_before_weight``, the normalised row is rounded to the *weight's* dtype
+            when that is fp16 or bf16, and left unrounded for an fp32 weight (T5's ``T5LayerNorm``: ``if
+            self.weight.dtype in [torch.float16, torch.bfloat16]: h = h.to(self.weight.dtype)``), instead of
+            to the input's dtype (Llama). The output is then the weight's dtype (an fp16/bf16 weight) or the
+            input's promoted with fp32 and the weight's: an fp32 weight returns fp32 for a bf16 input.
     """
 
     name: str
@@ -57,19 +69,22 @@ class Mode:
     centre: bool = False
     promotes_output: bool = False
     keeps_fp64: bool = False
+    rounds_to_weight_dtype: bool = False
 
     def __post_init__(self) -> None:
         # The kernels add the offset in fp32 and the rounded-row path multiplies in the promoted dtype: no Hugging
         # Face body combines the two, and the kernels do not either.
         if self.cast_before_weight and self.weight_offset:
             raise ValueError(f"mode {self.name!r}: a weight offset needs the product in fp32")
+        if self.rounds_to_weight_dtype and not self.cast_before_weight:
+            raise ValueError(f"mode {self.name!r}: rounding to the weight's dtype is a cast before the weight")
 
     @functools.cached_property
     def kernel_flags(self) -> dict[str, object]:
         """The constexpr arguments of the Triton kernels that select this mode (built once: launches are
         host-bound at decode sizes)."""
-        return {"CAST_BEFORE_WEIGHT": self.cast_before_weight, "WEIGHT_OFFSET": self.weight_offset,
-                "CENTER": self.centre}
+        return {"CAST_BEFORE_WEIGHT": self.cast_before_weight, "CAST_TO_WEIGHT": self.rounds_to_weight_dtype,
+                "WEIGHT_OFFSET": self.weight_offset, "CENTER": self.centre}
 
     def output_dtype(
         self, norm_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None
@@ -83,10 +98,23 @@ class Mode:
         self, norm_dtype: torch.dtype, weight_dtype: torch.dtype | None, bias_dtype: torch.dtype | None
     ) -> torch.dtype:
         """``output_dtype`` from the dtypes of the weight and the bias (None: absent)."""
+        if self.rounds_to_weight_dtype and weight_dtype is not None:
+            dtype = torch.promote_types(weight_dtype, self.rounded_dtype_of(norm_dtype, weight_dtype))
+            return dtype if bias_dtype is None else torch.promote_types(dtype, bias_dtype)
         if not self.promotes_output:
             return norm_dtype
         dtype = norm_dtype if weight_dtype is None else torch.promote_types(weight_dtype, norm_dtype)
         return dtype if bias_dtype is None else torch.promote_types(dtype, bias_dtype)
+
+    def rounded_dtype_of(self, norm_dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype the normalised row has when the weight multiplies it, in a ``cast_before_weight`` mode: the
+        input's (Llama), or with ``rounds_to_weight_dtype`` an fp16/bf16 weight's, else the input's promoted with
+        fp32 (T5's ``x * rsqrt(...)``, which is not rounded for an fp32 weight)."""
+        if not self.rounds_to_weight_dtype:
+            return norm_dtype
+        if weight_dtype in HALF_DTYPES:
+            return weight_dtype
+        return torch.promote_types(norm_dtype, torch.float32)
 
     def compute_dtype(self, norm_dtype: torch.dtype) -> torch.dtype:
         """The dtype the row is normalised in, which is also the dtype of the saved statistics."""
@@ -119,6 +147,7 @@ MODES: dict[str, Mode] = {
         Mode("fp32_affine"),
         Mode("layernorm", centre=True, keeps_fp64=True),
         Mode("layernorm_as_rmsnorm", keeps_fp64=True),
+        Mode("t5", cast_before_weight=True, rounds_to_weight_dtype=True),
     )
 }
 

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .modes import STATS_SYNC_SLOTS, get_mode
+from .modes import STATS_SYNC_SLOTS, dtype_of, get_mode
 
 
 def forward_reference(
@@ -34,10 +34,12 @@ def forward_reference(
         mean = s.mean(-1, keepdim=True)
         s = s - mean
     rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
-    n = s * rstd
+    # T5's ``x * rsqrt(var + eps)`` multiplies the input itself (fp64 stays fp64); otherwise x.float() does.
+    n = (norm_input.to(torch.promote_types(norm_input.dtype, compute)) if m.rounds_to_weight_dtype else s) * rstd
     if m.cast_before_weight:
         # The product (and the bias add) round in the dtype torch promotes them to, as the eager module's do.
-        y = n.to(norm_input.dtype) if weight is None else weight * n.to(norm_input.dtype)
+        rounded = n.to(m.rounded_dtype_of(norm_input.dtype, dtype_of(weight)))
+        y = rounded if weight is None else weight * rounded
         if bias is not None:
             y = y + bias
     else:
@@ -61,8 +63,8 @@ def backward_reference(
     weight); the caller casts them to the input dtypes.
 
     ``dsum`` is the gradient arriving at the ``new_residual`` output; it is folded into the input gradient.
-    The cast of the normalised row to the input dtype (``cast_before_weight`` modes) has an identity gradient, as in
-    autograd, but the weight gradient sees the rounded row the forward multiplied.
+    The cast of the normalised row to the input (or weight) dtype (``cast_before_weight`` modes) has an identity
+    gradient, as in autograd, but the weight gradient sees the rounded row the forward multiplied.
     """
     m = get_mode(mode)
     n_cols = norm_input.shape[-1]
@@ -80,7 +82,8 @@ def backward_reference(
     dx = r * dx
     if dsum is not None:
         dx = dx + dsum.to(compute)
-    n_weighted = n.to(norm_input.dtype).to(compute) if m.cast_before_weight else n
+    rounded_dtype = m.rounded_dtype_of(norm_input.dtype, dtype_of(weight))
+    n_weighted = n.to(rounded_dtype).to(compute) if m.cast_before_weight else n
     dy2 = dy.to(compute).reshape(-1, n_cols)
     dweight = None if weight is None else (dy2 * n_weighted.reshape(-1, n_cols)).sum(0)
     dbias = dy2.sum(0) if has_bias else None

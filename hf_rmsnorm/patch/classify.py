@@ -26,9 +26,10 @@ class Role(Enum):
 
     PATCHED = "a class made by an earlier patch_model call"
     REGISTERED_NORM = "a norm class a family of families.py names"
-    TORCH_LAYER_NORM = "torch's nn.LayerNorm: a LayerNorm family's stack says whether it reads the residual stream"
+    TORCH_LAYER_NORM = "torch's nn.LayerNorm itself: run exactly, wherever it sits (conversion.py)"
     RMS_NORM_LIKE = "torch's nn.RMSNorm, or a class named *RMSNorm*: recognised by what it computes"
-    OWN_LAYER_NORM = "a model's own class named *LayerNorm: recognised by what it computes, centred modes included"
+    OWN_LAYER_NORM = ("a model's own class named *LayerNorm, or a subclass of nn.LayerNorm: recognised by what it "
+                      "computes, centred modes included")
     OTHER_NORM = "any other class named *Norm*: reported, never patched"
     REGISTERED_LAYER = "a decoder-layer class a family names"
     DECODER_LAYER = "a class named *DecoderLayer, *Block or *Layer: recognised by its code, or derived"
@@ -51,15 +52,24 @@ _NORMS = frozenset({Role.REGISTERED_NORM, Role.TORCH_LAYER_NORM, Role.RMS_NORM_L
                     Role.OTHER_NORM})
 
 
+def may_derive(role: Role) -> bool:
+    """Whether a module of ``role`` that calls patched norms of its own may get a forward derived from its code
+    (``derived_sites.py``), fusing the adds next to them: a decoder layer of no known shape, and any module that is
+    no norm, layer or stack (a post-LN sublayer such as BERT's ``*SelfOutput``). Each rewrite is exact wherever its
+    pattern is found, so this only says where the planner looks; of the second kind, one whose forward has no such
+    add is left alone without a word."""
+    return role in (Role.DECODER_LAYER, Role.OTHER)
+
+
 def norm_role(cls: type) -> Role | None:
     """The role of a norm class judged by its type and name alone (no registry), or None for a class that is no
     norm. Gated and grouped ``*RMSNorm`` variants are RMSNorm-like too, so their report says why they are left
     alone."""
     if issubclass(cls, nn.RMSNorm) or "RMSNorm" in cls.__name__:
         return Role.RMS_NORM_LIKE
-    if issubclass(cls, nn.LayerNorm):
+    if cls is nn.LayerNorm:
         return Role.TORCH_LAYER_NORM
-    if cls.__name__.endswith("LayerNorm"):
+    if issubclass(cls, nn.LayerNorm) or cls.__name__.endswith("LayerNorm"):
         return Role.OWN_LAYER_NORM
     if "Norm" in cls.__name__:
         return Role.OTHER_NORM

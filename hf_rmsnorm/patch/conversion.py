@@ -1,11 +1,14 @@
 """LayerNorm decoders: which LayerNorms run the fused kernels, and the explicit conversion to RMSNorm.
 
-**Default, ``layernorm="fuse"``.** Every LayerNorm on the residual stream of a LayerNorm family's stack
-(``ResidualStream.norms`` in ``families.py``, and the final norm) becomes a fused module running the kernels'
-``"layernorm"`` mode: the row mean subtracted, the residual add fused where the layer allows, otherwise exactly
-``nn.LayerNorm``'s maths. Nothing else changes: no weight, no hook, no state. The patched model computes what
-the unpatched one computes in every dtype, in training and in inference, whatever happens to its weights
-afterwards (LoRA, merges, ``.data`` updates, casts, ``torch.compile``).
+**Default, ``layernorm="fuse"``.** Every ``nn.LayerNorm`` of the model, wherever it sits (pre-LN, parallel and
+post-LN decoders, encoders, encoder-decoders, vision towers, inside attention), becomes a fused module running the
+kernels' ``"layernorm"`` mode: the row mean subtracted, the residual add fused where the code next to it allows
+(``derived_sites.py``), otherwise exactly ``nn.LayerNorm``'s maths, fp64 kept in fp64; one without affine
+parameters or without a bias too. Patching a LayerNorm alone needs no argument about the model around it: the
+module computes what it computed. Nothing else changes: no weight, no hook, no state. The patched model computes
+what the unpatched one computes in every dtype, in training and in inference, whatever happens to its weights
+afterwards (LoRA, merges, ``.data`` updates, casts, ``torch.compile``). A model's own ``*LayerNorm`` classes
+(subclasses of ``nn.LayerNorm`` included) are recognised by what they compute (``recognition.py``).
 
 **Explicit, ``layernorm="rmsnorm"``: a one-time conversion to an RMSNorm model.** With ``C = I - 11^T/d``,
 ``LN(Ch) = LN(h)``, and on a zero-mean row a LayerNorm *is* an RMSNorm with the same weight, bias and eps. In a
@@ -27,7 +30,9 @@ the model *is* an RMSNorm model: training it, adding adapters to its writers or 
 changes that model, and a residual dropout mask applied to a centred writer's output is not the mask on the
 original output plus a constant. Convert a model when it is final; fine-tune with the default.
 
-Only fp32 (or fp64) writers are converted: rounding centred weights back to fp16/bf16 rounds every writer weight
+Only a pre-LN decoder of a registered family, whose stream this argument follows, is converted; a model without one
+(BERT and the other post-LN encoders, encoder-decoders) is refused with the reason, and the LayerNorms outside a
+converted stack run exactly as by default. Only fp32 (or fp64) writers are converted: rounding centred weights back to fp16/bf16 rounds every writer weight
 a second time (tiny GPT-2: mean logit error 1.10x eager's in bf16, 1.11x in fp16). A half-precision model is
 refused; convert its fp32 weights, then cast the converted model.
 """
@@ -40,7 +45,10 @@ import torch
 from torch import Tensor, nn
 
 from .classify import Role, norm_role
-from .families import LAYERNORM, LAYERNORM_AS_RMSNORM, NormKind, ResidualStream, StackKind
+from .families import (
+    EXACT_LAYERNORM_FAMILY, LAYERNORM, LAYERNORM_AS_RMSNORM, LAYERNORM_WITHOUT_AFFINE, NormKind, ResidualStream,
+    StackKind,
+)
 from .report import UnconvertibleModelError
 
 LAYERNORM_CHOICES = ("fuse", "rmsnorm", "skip")
@@ -130,29 +138,28 @@ def _writer_means(w: Writer) -> tuple[Tensor, Tensor | None]:
 
 def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module, Role]],
                     stacks: dict[type, tuple[str, StackKind]], layernorm: str) -> LayerNormPlan:
-    """Finds the stacks of LayerNorm families among ``modules`` (the patcher's classified walk of the model called
-    ``model_name``: every module with its name and role) and plans what happens to their LayerNorms (nothing is
-    changed). ``stacks`` is the registry's stack table.
+    """Plans what happens to the ``nn.LayerNorm`` modules among ``modules`` (the patcher's classified walk of the
+    model called ``model_name``: every module with its name and role); nothing is changed. ``stacks`` is the
+    registry's stack table: a LayerNorm inside a registered stack is reported under that stack's family.
 
     Raises:
         ValueError: ``layernorm`` is not one of ``LAYERNORM_CHOICES``.
-        UnconvertibleModelError: ``layernorm="rmsnorm"`` and a stack cannot be converted exactly.
+        UnconvertibleModelError: ``layernorm="rmsnorm"`` and a stack cannot be converted exactly, or the model
+            has LayerNorms and no stack whose stream the conversion's argument follows.
     """
     if layernorm not in LAYERNORM_CHOICES:
         raise ValueError(f"layernorm must be one of {', '.join(map(repr, LAYERNORM_CHOICES))}, got {layernorm!r}")
     plan = LayerNormPlan()
+    families: dict[nn.Module, str] = {}
     problems = []
     for name, module, role in modules:
         family, kind = stacks[type(module)] if role is Role.REGISTERED_STACK else (None, None)
         if kind is None or kind.stream is None:
             continue
-        if layernorm == "skip":
-            for m in module.modules():
-                if _is_torch_layer_norm(m):
-                    plan.skipped[m] = "LayerNorm left alone on request (layernorm='skip')"
-        elif layernorm == "fuse":
-            _plan_stream_norms(plan, family, module, kind, LAYERNORM, hidden=None)
-        elif problem := _conversion_problem(module, kind):
+        families.update((m, family) for m in module.modules() if _is_torch_layer_norm(m))
+        if layernorm != "rmsnorm":
+            continue
+        if problem := _conversion_problem(module, kind):
             problems.append(f"{name or type(module).__name__} ({family}): {problem}")
         else:
             _plan_conversion(plan, family, name, module, kind)
@@ -161,6 +168,23 @@ def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module, Role]],
             f"cannot convert {model_name}'s LayerNorms to RMSNorm exactly: {'; '.join(problems)}. "
             "patch_model(model) without layernorm='rmsnorm' runs them as exact fused LayerNorms"
         )
+    layer_norms = [m for _, m, _ in modules if _is_torch_layer_norm(m)]
+    if layernorm == "rmsnorm" and layer_norms and not plan.norms:
+        raise UnconvertibleModelError(
+            f"{model_name} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported family (post-LN "
+            "models and encoders normalise residual sums, which are not zero-mean), so it cannot be converted to "
+            "RMSNorm exactly; patch_model(model) without layernorm='rmsnorm' runs its LayerNorms as exact fused "
+            "LayerNorms; supported families: hf_rmsnorm.patch.family_names()"
+        )
+    for module in layer_norms:
+        if module in plan.norms or module in plan.skipped:
+            continue
+        if layernorm == "skip":
+            plan.skipped[module] = "LayerNorm left alone on request (layernorm='skip')"
+        elif problem := _layernorm_problem(module, None):
+            plan.skipped[module] = f"LayerNorm left alone ({problem}); it stays an exact nn.LayerNorm"
+        else:
+            plan.norms[module] = (families.get(module, EXACT_LAYERNORM_FAMILY), exact_layernorm_kind(module))
     return plan
 
 
@@ -179,19 +203,12 @@ def _readers(stack: nn.Module, kind: StackKind) -> dict[nn.Module, str]:
     return readers
 
 
-def _plan_stream_norms(plan: LayerNormPlan, family: str, stack: nn.Module, kind: StackKind, norm_kind: NormKind,
-                       hidden: int | None) -> None:
-    """Plans ``norm_kind`` for every reader of the stream that takes it, and reports the other LayerNorms."""
-    readers = _readers(stack, kind)
-    for module in readers:
-        if problem := _layernorm_problem(module, hidden):
-            # Left as it is: still exact, LN(Ch) = LN(h) also for a converted stream.
-            plan.skipped[module] = f"LayerNorm left alone ({problem}); it stays an exact nn.LayerNorm"
-        else:
-            plan.norms[module] = (family, norm_kind)
-    for m in stack.modules():
-        if _is_torch_layer_norm(m) and m not in readers:
-            plan.skipped[m] = "LayerNorm inside a sub-layer (it does not read the residual stream); left alone"
+def _plan_converted_norms(plan: LayerNormPlan, family: str, stack: nn.Module, kind: StackKind, hidden: int) -> None:
+    """Plans the conversion to RMSNorm of every reader of the stream that takes it (any other LayerNorm stays exact:
+    ``LN(Ch) = LN(h)`` holds for a converted stream too)."""
+    for module in _readers(stack, kind):
+        if not _layernorm_problem(module, hidden) and module.weight is not None:
+            plan.norms[module] = (family, LAYERNORM_AS_RMSNORM)
 
 
 def _is_torch_layer_norm(module: nn.Module) -> bool:
@@ -202,7 +219,7 @@ def _plan_conversion(plan: LayerNormPlan, family: str, name: str, stack: nn.Modu
     prefix = f"{name}." if name else ""
     layers = getattr(stack, kind.layers)
     hidden = getattr(stack, kind.final_norm).normalized_shape[-1]
-    _plan_stream_norms(plan, family, stack, kind, LAYERNORM_AS_RMSNORM, hidden)
+    _plan_converted_norms(plan, family, stack, kind, hidden)
     plan.entrances[layers[0]] = f"{prefix}{kind.layers}.0"
     for i, layer in enumerate(layers):
         for path, writer in _writers(layer, kind.stream):
@@ -269,6 +286,10 @@ def _layernorm_problem(norm: nn.Module, hidden: int | None) -> str | None:
         return f"{type(norm).__name__} is not exactly nn.LayerNorm"
     if len(norm.normalized_shape) != 1 or (hidden is not None and norm.normalized_shape[0] != hidden):
         return f"normalized_shape {tuple(norm.normalized_shape)} is not ({hidden or 'hidden'},)"
-    if norm.weight is None:
-        return "elementwise_affine=False"
     return None
+
+
+def exact_layernorm_kind(norm: nn.LayerNorm) -> NormKind:
+    """The kind that runs ``norm`` exactly: ``LAYERNORM``, or without affine parameters
+    (``elementwise_affine=False``: no weight and no bias to read)."""
+    return LAYERNORM if norm.weight is not None else LAYERNORM_WITHOUT_AFFINE

@@ -16,7 +16,9 @@ from torch import Tensor
 
 from . import derived_runtime, derived_source, handoff
 from .derived_loops import StackLoop, stack_layout, stack_loops
-from .derived_sites import AfterPlan, BeforePlan, DerivedLayerKind, OutputPlan, analysed, signature_problem
+from .derived_sites import (
+    AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, OutputPlan, analysed, signature_problem,
+)
 from .derived_syntax import located, self_name
 
 # The local a ``before`` rewrite keeps the normed sum in until its consumer ran (then deleted: it is freed as the
@@ -54,6 +56,9 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
             frees.append(_rewrite_before(plan))
         elif isinstance(plan, AfterPlan):
             _rewrite_after(plan)
+        elif isinstance(plan, ArgumentPlan):
+            _replace(function, plan.call,
+                     located(_helper_call("norm_of_add", plan.call.func, plan.add.left, plan.add.right), plan.call))
         else:
             _rewrite_output(plan)
     for statements, consumer, normed in frees:  # after every rewrite by index: these insert statements

@@ -30,6 +30,11 @@ def norm_of_sum(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return norm(total), total
 
 
+def norm_of_add(norm: nn.Module, a: Tensor, b: Tensor) -> Tensor:
+    """``norm(a + b)``, from one kernel when it can be."""
+    return norm_of_sum(norm, a, b)[0]
+
+
 def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     """``residual + norm(x)``, from one kernel when it can be."""
     if _fusable(norm, residual, x):

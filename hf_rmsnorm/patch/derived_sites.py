@@ -4,6 +4,7 @@ into the kernels' fused calls (``derived_rewrite.py``) cannot change what the fo
 The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, called with one positional argument)::
 
     before a norm:  s = a + b; [r = s ...]; ... F(s) ...  ->  normed, s = norm_of_sum(F, a, b); [r = s]; ... normed ...
+    a norm's argument:  ... F(a + b) ...                  ->  ... norm_of_add(F, a, b) ...
     after a norm:   s = r + F(e)  (or F(e) + r)           ->  s = norm_then_add(F, e, r)
                     y = F(e); s = r + y  (or return r + y) ->  pass; s = norm_then_add(F, e, r)
     layer output:   s = a + b; return s  (return s, ...)  ->  s = stream_sum(call, a, b); return s
@@ -15,6 +16,10 @@ norm applied to the input before anything else reads it, in each branch of an ``
 ``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``; the helpers are
 ``derived_runtime``'s, and each checks at every call that its kernel computes what the expression does (a patched
 norm no hook watches, two tensors of one shape, type and device), else evaluates the original expression.
+
+The argument pattern is the post-LN sublayer's ``self.LayerNorm(dropout(dense(h)) + input)`` (BERT's
+``*SelfOutput`` and ``*Output``): the sum is never bound, so nothing moves; a dropout inside an operand is part of
+that operand, evaluated before the add either way.
 
 **Why a rewrite computes what it replaces.** A rewrite changes when some parts are evaluated, never what they
 compute: the helpers compute the same sums and norms. So it is exact when evaluating those parts at their new
@@ -51,6 +56,11 @@ which invariant (``Refusal``); ``tests/patch/test_derived_soundness.py`` breaks 
 6. *A binding removed is read nowhere.* ``y = F(e); s = r + y`` no longer binds ``y``: ``y`` is ``s``, or a local
    read or deleted nowhere else in the forward (nested scopes included), so its previous binding, which it keeps,
    is never met.
+The argument pattern moves nothing: ``norm_of_add(F, a, b)`` stands where ``F(a + b)`` stood and evaluates ``F``,
+``a`` and ``b`` in that order, as the call and its add do (4), then computes ``F(a + b)``; nothing runs between
+them either way (2), and no operand is read at another moment (3). It is matched in the simple statements of the
+forward's own scope only (1, 7), and never in a statement another pattern rewrites.
+
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
 """
@@ -71,6 +81,7 @@ from .derived_syntax import (
 @dataclass(frozen=True)
 class AddSite:
     """A residual add of a layer's forward next to a norm: ``position`` is ``"before"`` (the norm reads the sum),
+    ``"argument"`` (the sum is the norm's argument, ``F(a + b)``),
     ``"after"`` (the sum adds the norm's output) or ``"output"`` (the layer returns the sum); ``norm`` is the norm's
     attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file;
     ``in_tuple``: an output returned first in a tuple (``return s, ...``), not alone."""
@@ -82,7 +93,7 @@ class AddSite:
 
     @property
     def label(self) -> str:
-        where = {"before": "into", "after": "after", "output": "layer output"}[self.position]
+        where = {"before": "into", "argument": "into", "after": "after", "output": "layer output"}[self.position]
         return f"residual add at line {self.line} ({where}{' ' + '.'.join(self.norm) if self.norm else ''})"
 
 
@@ -171,6 +182,16 @@ class AfterPlan:
 
 
 @dataclass(eq=False)
+class ArgumentPlan:
+    """``call`` = ``F(a + b)`` (``add``) in the simple statement ``statement``."""
+
+    site: AddSite
+    statement: ast.stmt
+    call: ast.Call
+    add: ast.BinOp
+
+
+@dataclass(eq=False)
 class OutputPlan:
     """``statement`` (``s = a + b`` or ``return a + b``) holding the layer's output add ``add``."""
 
@@ -196,7 +217,7 @@ class LayerAnalysis:
     """Everything ``analysed`` finds in one parse of a layer forward: the plans of its add sites, its input norm's
     calls, the refusals. The plans hold that parse's nodes, which ``derived_rewrite`` rewrites in place."""
 
-    plans: list[BeforePlan | AfterPlan | OutputPlan] = field(default_factory=list)
+    plans: list[BeforePlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
     input_norm: FirstRead | None = None
     refusals: list[Refusal] = field(default_factory=list)
 
@@ -308,7 +329,21 @@ class _Analysis:
             self._before_norm(statements, i, enclosing)
             or self._after_norm(statements, i)
             or self._output(statements, i, following, enclosing)
+            or self._argument_sums(statements[i])
         )
+
+    def _argument_sums(self, statement: ast.stmt) -> int:
+        """``F(a + b)`` in a simple statement, outside nested scopes (invariants 1 and 7)."""
+        if not isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr, ast.Return)):
+            return 0
+        found = 0
+        for node in ast.walk(statement):
+            if (self._norm(node) is not None and isinstance(node.args[0], ast.BinOp)
+                    and isinstance(node.args[0].op, ast.Add) and deferred_by(node, statement, self.up) is None):
+                site = AddSite("argument", self._norm(node), node.args[0].lineno)
+                self.result.plans.append(ArgumentPlan(site, statement, node, node.args[0]))
+                found = 1
+        return found
 
     def _before_norm(self, statements: list[ast.stmt], i: int, enclosing: tuple[str, ...]) -> int:
         found = summed(statements[i])

@@ -27,20 +27,28 @@ from .shapes import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, SEQUENTIAL, La
 class NormKind:
     """A norm class and the numerics of its forward (the modes of ``hf_rmsnorm.ops.modes``). ``bias_attr`` names
     an optional bias: the attribute must exist, its value may be None. ``weight_attr`` is None for a norm without
-    a weight (NanoChat's)."""
+    a weight (NanoChat's). ``eps_attr`` None: the forward's epsilon is the constant ``eps`` (OLMo's LayerNorm
+    writes ``eps=1e-5`` in its code). ``weight_offset``: the forward scales by ``weight + weight_offset`` computed
+    in the weight's own dtype, as a tensor op before the norm (Nemotron's ``LayerNorm1P``), which the fused forward
+    does too (the kernels' ``weight_offset`` adds in fp32, which only an fp32 weight rounds alike)."""
 
     class_path: str
-    eps_attr: str = "variance_epsilon"
+    eps_attr: str | None = "variance_epsilon"
     mode: str = "llama"
     bias_attr: str | None = None
     weight_attr: str | None = "weight"
+    eps: float | None = None
+    weight_offset: float = 0.0
 
 
-# nn.LayerNorm is everywhere, so it is never matched by class: a LayerNorm family's stack names the LayerNorms
-# that get one of these (``ResidualStream.norms``). The default is the exact fused add + LayerNorm of the kernels;
-# the explicit conversion of a pre-LN model to RMSNorm (``hf_rmsnorm.patch.conversion``) uses the second.
+# nn.LayerNorm is everywhere, so it is not matched through a family: every one gets the exact fused add + LayerNorm
+# of the kernels (``hf_rmsnorm.patch.conversion``); the explicit conversion of a pre-LN model to RMSNorm gives the
+# readers of a LayerNorm family's stream (``ResidualStream.norms``) the last.
 LAYERNORM = NormKind("torch.nn.modules.normalization.LayerNorm", eps_attr="eps", mode="layernorm", bias_attr="bias")
+LAYERNORM_WITHOUT_AFFINE = dataclasses.replace(LAYERNORM, weight_attr=None, bias_attr=None)
 LAYERNORM_AS_RMSNORM = dataclasses.replace(LAYERNORM, mode="layernorm_as_rmsnorm")
+# What the report calls the family of an nn.LayerNorm outside a registered LayerNorm stack.
+EXACT_LAYERNORM_FAMILY = "LayerNorm"
 
 
 # The decoder layers' cache argument is ``cache`` since transformers 5.24 and ``past_key_values`` before. Either

@@ -163,8 +163,10 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
     kind: NormKind = self._hf_rmsnorm_kind
     bound: BoundNorm = self._hf_rmsnorm_norm
     # Read on every call: the user may replace or edit them between calls.
-    eps = getattr(self, kind.eps_attr)
+    eps = kind.eps if kind.eps_attr is None else getattr(self, kind.eps_attr)
     weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
+    if kind.weight_offset:
+        weight = weight + kind.weight_offset
     bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
     if add_to is not None:
         return bound.norm_add(hidden_states, add_to, weight, eps, bias)

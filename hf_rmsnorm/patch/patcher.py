@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..ops import backend
 from . import derived_loops, derived_sites, derived_source, fused, qk_attention
-from .classify import Role, role_of
+from .classify import Role, may_derive, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
 from .handoff import LINKS_ATTR, NextNorm
@@ -26,6 +26,9 @@ from .recognition import NormRecogniser, family_of, recognised_layer_kinds, reco
 from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
+# What a derived candidate that is no layer carries in place of why no registered shape fitted: nothing to report
+# when nothing is fused (``_plan_derived_layers``).
+QUIET = ""
 
 
 @dataclass
@@ -301,6 +304,7 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
     layer_candidates: list[tuple[str, nn.Module, tuple[LayerKind, ...]]] = []
     stacks: list[tuple[str, nn.Module, StackKind]] = []
     unknown_layers: list[tuple[str, nn.Module, str | None]] = []
+    others: list[tuple[str, nn.Module]] = []
     layernorms = plan.layernorms
     recogniser = NormRecogniser()
     # The dtype of the activations the norms read (and the one a norm without a weight of its own is probed in).
@@ -357,6 +361,11 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
             stacks.append((name, module, recognised_stack[1]))
         elif role is Role.STACK and (derived_stack := derived_loops.stack_kind(cls)):
             stacks.append((name, module, derived_stack))
+        elif may_derive(role):
+            others.append((name, module))
+    # The other modules calling a patched norm of their own (known once the walk is over: children come later).
+    unknown_layers += [(name, module, QUIET) for name, module in others
+                       if any(child in norms for child in module.children())]
     return norms, layer_candidates, stacks, unknown_layers
 
 
@@ -366,9 +375,11 @@ def _plan_derived_layers(
     layers: dict[nn.Module, tuple[str, LayerKind | derived_sites.DerivedLayerKind]],
     plan: _Plan,
 ) -> None:
-    """Plans the decoder layers of no known shape whose forward has residual adds next to their patched norms
-    (``derived_sites.py``); reports why each other layer with a patched norm keeps its adds unfused (``candidates``
-    carry why no registered kind fitted, if one was tried), and why a layer keeps some of its adds unfused."""
+    """Plans the decoder layers of no known shape, and the other modules ``classify.may_derive`` names, whose
+    forward has residual adds next to their patched norms (``derived_sites.py``); reports why each other layer with
+    a patched norm keeps its adds unfused (``candidates`` carry why no registered kind fitted, if one was tried, or
+    ``QUIET`` for a module that is no layer: one without such an add is left alone unreported), and why a layer
+    keeps some of its adds unfused."""
     calls: dict[type, frozenset[tuple[str, ...]]] = {}
     codes: dict[tuple[type, frozenset[tuple[str, ...]]], derived_sites.LayerCode | str] = {}
     for name, layer, registered_problem in candidates:
@@ -378,6 +389,8 @@ def _plan_derived_layers(
         paths = {path: _module_at(layer, path) for path in calls[cls]}
         layer_norms = frozenset(path for path, module in paths.items() if module in norms)
         if not layer_norms:
+            if registered_problem == QUIET:
+                continue
             if registered_problem or any(child in norms for child in layer.children()):
                 unreadable = derived_source.class_forward(cls)  # why its source gave no calls, if it did
                 reason = registered_problem or (unreadable if isinstance(unreadable, str) else
@@ -388,6 +401,8 @@ def _plan_derived_layers(
             codes[cls, layer_norms] = derived_sites.layer_code(cls, layer_norms)
         problem = plan.class_problem(cls) or instance_problem(layer)
         code = problem or codes[cls, layer_norms]
+        if registered_problem == QUIET and (isinstance(code, str) or not code.sites):
+            continue
         if not isinstance(code, str) and not code.sites:
             code = "; ".join(r.text for r in code.refusals) or (
                 f"no residual add sits next to a patched norm in {_class_path(cls)}.forward")
@@ -562,7 +577,7 @@ def _norm_attribute_problem(norm: nn.Module, kind: NormKind) -> str | None:
     """Why ``norm`` lacks an attribute its kind's forward reads, if it does."""
     if kind.weight_attr is not None and not isinstance(getattr(norm, kind.weight_attr, None), Tensor):
         return f"{type(norm).__name__} has no {kind.weight_attr} tensor"
-    if not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
+    if kind.eps_attr is not None and not isinstance(getattr(norm, kind.eps_attr, None), (int, float)):
         return f"{type(norm).__name__} has no numeric {kind.eps_attr}"
     if kind.bias_attr is not None and not isinstance(getattr(norm, kind.bias_attr, ()), (Tensor, type(None))):
         return f"{type(norm).__name__}.{kind.bias_attr} is neither a tensor nor None"

@@ -46,8 +46,16 @@ from .families import FAMILIES, LayerKind, NormKind, StackKind, class_at
 EPS_ATTRS = ("variance_epsilon", "eps")
 # Modes a recognised RMSNorm may have (the LayerNorm modes centre the row; no RMSNorm body does).
 RMS_MODES = tuple(name for name, mode in MODES.items() if not mode.centre and not mode.keeps_fp64)
-# Also tried for a model's own LayerNorm classes (Cohere's: mean-centred, weight in fp32).
-CENTRED_MODES = ("layernorm",)
+# Also tried for a model's own LayerNorm classes (Cohere's: mean-centred, weight in fp32), and for subclasses of
+# nn.LayerNorm; ``layernorm_1p`` is the layernorm mode of ``weight + 1`` rounded in the weight's dtype
+# (Nemotron's LayerNorm1P: ``F.layer_norm(x, shape, self.weight + 1.0, self.bias, self.eps)``).
+CENTRED_MODES = ("layernorm", "layernorm_1p")
+# The modes of ``CENTRED_MODES`` that scale by ``weight + offset`` (``NormKind.weight_offset``): name -> (the
+# kernels' mode, offset).
+OFFSET_MODES = {"layernorm_1p": ("layernorm", 1.0)}
+# The epsilons tried for a LayerNorm class that keeps none as an attribute (OLMo's writes ``eps=1e-5`` in its
+# forward): torch's default, then the other common one. The probe's rows of magnitude 1e-3 tell them apart.
+CONSTANT_EPS = (1e-5, 1e-6)
 PROBE_ROWS_PER_SCALE = 8
 # Row magnitudes: ordinary, where eps matters, large (an fp16 square would overflow), and the size of real
 # activation outliers.
@@ -86,16 +94,26 @@ class NormRecogniser:
     def verdict(self, module: nn.Module, model_dtype: torch.dtype) -> NormVerdict:
         """The kind of ``module``, a norm of a class the registry does not name, in a model of ``model_dtype``."""
         cls = type(module)
-        problem = _shape_problem(module, EPS_ATTRS, "weight", None)
+        centred = norm_role(cls) is Role.OWN_LAYER_NORM
+        # A LayerNorm class may have a bias (None or a tensor), and may keep no epsilon (a constant of its code).
+        bias_attr = "bias" if centred and hasattr(module, "bias") else None
+        eps_attrs = EPS_ATTRS if not centred or any(_is_number(getattr(module, a, None)) for a in EPS_ATTRS) else ()
+        problem = _shape_problem(module, eps_attrs, "weight", bias_attr)
         if problem:
             return NormVerdict(None, problem)
-        eps_attr = next(a for a in EPS_ATTRS if _is_number(getattr(module, a, None)))
-        mode, reason = self._mode(module, eps_attr, "weight", None, model_dtype, candidate_modes(module))
-        if mode is None:
-            return NormVerdict(None, reason)
         weight_attr = "weight" if getattr(module, "weight", None) is not None else None
+        bias_attr = bias_attr if getattr(module, "bias", None) is not None else None
         path = f"{cls.__module__}.{cls.__qualname__}"
-        return NormVerdict(NormKind(path, eps_attr=eps_attr, mode=mode, weight_attr=weight_attr))
+        reason = ""
+        for eps_attr, eps in ([(a, None) for a in eps_attrs if _is_number(getattr(module, a, None))][:1]
+                              or [(None, e) for e in CONSTANT_EPS]):
+            mode, reason = self._mode(module, eps_attr, weight_attr, bias_attr, model_dtype, candidate_modes(module),
+                                      eps)
+            if mode is not None:
+                mode, offset = OFFSET_MODES.get(mode, (mode, 0.0))
+                return NormVerdict(NormKind(path, eps_attr=eps_attr, mode=mode, weight_attr=weight_attr,
+                                            bias_attr=bias_attr, eps=eps, weight_offset=offset))
+        return NormVerdict(None, reason)
 
     def registry_problem(self, module: nn.Module, kind: NormKind, model_dtype: torch.dtype) -> str | None:
         """Why ``module`` (of a class the registry names, with ``kind``) does not compute ``kind.mode``, if it
@@ -111,16 +129,16 @@ class NormRecogniser:
         return f"{computed}, not the {kind.mode} mode its registry entry says: left alone rather than mis-rounded"
 
     def _mode(
-        self, module: nn.Module, eps_attr: str, weight_attr: str | None, bias_attr: str | None,
-        model_dtype: torch.dtype, modes: tuple[str, ...],
+        self, module: nn.Module, eps_attr: str | None, weight_attr: str | None, bias_attr: str | None,
+        model_dtype: torch.dtype, modes: tuple[str, ...], eps: float | None = None,
     ) -> tuple[str | None, str]:
         weight, bias = (None if a is None else getattr(module, a, None) for a in (weight_attr, bias_attr))
         # The answer depends on the class, its plain settings, the parameters' presence and dtypes and the model's
         # dtype only.
-        key = (type(module), _settings(module), eps_attr, weight_attr, bias_attr, dtype_of(weight), dtype_of(bias),
-               model_dtype, modes)
+        key = (type(module), _settings(module), eps_attr, eps, weight_attr, bias_attr, dtype_of(weight),
+               dtype_of(bias), model_dtype, modes)
         if key not in self._modes:
-            self._modes[key] = probe_mode(module, eps_attr, weight_attr, bias_attr, model_dtype, modes)
+            self._modes[key] = probe_mode(module, eps_attr, weight_attr, bias_attr, model_dtype, modes, eps=eps)
         return self._modes[key]
 
 
@@ -146,7 +164,7 @@ def _shape_problem(
     module: nn.Module, eps_attrs: tuple[str, ...], weight_attr: str | None, bias_attr: str | None
 ) -> str | None:
     """Why ``module`` cannot be one of the kernels' norms whatever its numerics, if it cannot (its epsilon is
-    under one of ``eps_attrs``, its weight and bias under the attributes named, None: none). Where its
+    under one of ``eps_attrs``, none: a constant of its code; its weight and bias under the attributes named, None: none). Where its
     parameters live does not matter (the probe only reads their presence, shapes and dtypes), so a norm on the
     meta device (a skeleton not loaded yet) gets the verdict it will have once loaded."""
     cls = type(module)
@@ -168,7 +186,7 @@ def _shape_problem(
         return f"{cls.__name__} has parameters besides its weight ({', '.join(others)})"
     if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
         return f"{cls.__name__} has buffers on the meta device, whose values its forward may read (not loaded)"
-    if not any(_is_number(getattr(module, a, None)) for a in eps_attrs):
+    if eps_attrs and not any(_is_number(getattr(module, a, None)) for a in eps_attrs):
         return f"{cls.__name__} has no numeric {' or '.join(eps_attrs)}"
     return None
 
@@ -193,32 +211,40 @@ def probe_rows(width: int) -> Tensor:
 
 
 def probe_mode(
-    module: nn.Module, eps_attr: str, weight_attr: str | None, bias_attr: str | None, model_dtype: torch.dtype,
-    modes: tuple[str, ...], input_dtypes: tuple[torch.dtype, ...] | None = None,
+    module: nn.Module, eps_attr: str | None, weight_attr: str | None, bias_attr: str | None, model_dtype: torch.dtype,
+    modes: tuple[str, ...], input_dtypes: tuple[torch.dtype, ...] | None = None, eps: float | None = None,
 ) -> tuple[str | None, str]:
     """The first of ``modes`` whose PyTorch reference reproduces ``type(module).forward`` bit for bit on every
     probe, or None and why none does (module docstring). The forward runs on a CPU stand-in with the probe's
     weight and bias in the dtypes of ``module``'s (``model_dtype`` for a norm without a weight), on every input
     dtype a model of ``model_dtype`` feeds it, or on ``input_dtypes``. It runs on the CPU whatever the default
-    device or ``torch.device`` context of the caller, so the verdict does not depend on them."""
+    device or ``torch.device`` context of the caller, so the verdict does not depend on them. ``eps_attr`` None:
+    the forward's epsilon is the constant ``eps``."""
     cls = type(module)
     weight, bias = (None if a is None else getattr(module, a, None) for a in (weight_attr, bias_attr))
-    width = PROBE_WIDTH if weight is None else weight.shape[0]
+    shape = getattr(module, "normalized_shape", None)  # a LayerNorm's width, weight or none (OLMo's)
+    declared = shape[-1] if isinstance(shape, (tuple, list)) and shape and isinstance(shape[-1], int) else None
+    width = weight.shape[0] if weight is not None else declared or PROBE_WIDTH
     dtype = model_dtype if weight is None else weight.dtype
     with torch.device("cpu"):
         probe_weight, probe_bias = probe_parameters(width, dtype, dtype_of(bias))
         probe_weight = None if weight is None else probe_weight
         stand_in = _stand_in(module, {weight_attr: probe_weight, bias_attr: probe_bias})
-        eps = getattr(module, eps_attr)
+        eps = eps if eps_attr is None else getattr(module, eps_attr)
         rows = probe_rows(width)
         outputs = []
-        try:
-            with torch.no_grad():
-                for input_dtype in input_dtypes or dict.fromkeys((dtype, model_dtype, torch.float32, torch.bfloat16)):
-                    x = rows.to(input_dtype)
+        # The dtypes its own parameters and the model feed it must work; another one its forward refuses (aten's
+        # layer_norm takes no fp32 input with a bf16 weight: Nemotron's) is one the model never feeds it.
+        required = (dtype, model_dtype)
+        with torch.no_grad():
+            for input_dtype in input_dtypes or dict.fromkeys((*required, torch.float32, torch.bfloat16)):
+                x = rows.to(input_dtype)
+                try:
                     outputs.append((x, cls.forward(stand_in, x)))
-        except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
-            return None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200]
+                except Exception as exc:  # its forward needs more than the module's own state: not a plain norm
+                    if input_dtypes is None and input_dtype not in required:
+                        continue
+                    return None, f"{cls.__name__}.forward failed on a probe ({type(exc).__name__}: {exc})"[:200]
         for mode in modes:
             if all(_reproduces(x, expected, probe_weight, probe_bias, eps, mode) for x, expected in outputs):
                 return mode, ""
@@ -245,8 +271,31 @@ def _reproduces(
 ) -> bool:
     if not isinstance(expected, Tensor):
         return False
-    got = reference.forward_reference(x, None, weight, bias, eps, mode)[0]
-    return got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+    mode, offset = OFFSET_MODES.get(mode, (mode, 0.0))
+    if offset:
+        if weight is None:
+            return False
+        weight = weight + offset  # in the weight's dtype, as the module's forward does
+    candidates = [reference.forward_reference(x, None, weight, bias, eps, mode)[0]]
+    if MODES[mode].centre and not MODES[mode].cast_before_weight:
+        candidates += _torch_layer_norms(x, weight, bias, eps, MODES[mode].output_dtype(x.dtype, weight, bias))
+    return any(got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
+               for got in candidates)
+
+
+def _torch_layer_norms(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       dtype: torch.dtype) -> list[Tensor]:
+    """What ``nn.LayerNorm`` itself returns for ``x`` (the layernorm mode *is* its maths, and the kernels run an
+    ``nn.LayerNorm`` as that mode), called as a model's own class may call it: on ``x`` and the parameters as they
+    are, and on all of them in fp32, rounded to ``dtype``. Compared besides the reference because aten reduces an
+    fp32 row in another order than the reference, an ulp apart (a class calling ``F.layer_norm``: OLMo's,
+    Nemotron's)."""
+    shape = (x.shape[-1],)
+    as_is = torch.nn.functional.layer_norm(x, shape, weight, bias, eps) if (
+        weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype) else None
+    in_fp32 = torch.nn.functional.layer_norm(
+        x.float(), shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps)
+    return [t.to(dtype) for t in (as_is, in_fp32) if t is not None]
 
 
 # -------------------------------------------------------------------------------------- layers and stacks

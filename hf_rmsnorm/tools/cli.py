@@ -147,6 +147,17 @@ def at_least(minimum: int, why: str = "") -> Callable[[str], int]:
     return parse
 
 
+def one_of(*choices: str) -> Callable[[str], str]:
+    """An option type that takes one of ``choices`` (argparse names them in its one-line error otherwise)."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(choices)}")
+        return text
+
+    parse.__name__ = "choice"
+    return parse
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a float above zero."""
     try:

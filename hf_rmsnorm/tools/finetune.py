@@ -1,4 +1,5 @@
-"""Causal-LM fine-tuning with accelerate, behind ``scripts/finetune.py``.
+"""Fine-tuning with accelerate, behind ``scripts/finetune.py``: a causal LM on its next-token loss, or (``--task
+sequence-classification``) an encoder with a sequence-classification head (``finetune_data.label_documents``).
 
 :func:`finetune` runs the whole job in an order that keeps bad input harmless: everything that can fail on
 the user's input (paths, corpus, model loading, tokenisation, packing, patching) happens before training, and
@@ -34,10 +35,24 @@ from tqdm.auto import tqdm
 from ..ops import backend
 from ..patch import PatchReport, UnsupportedModelError, patch_model, unpatch_model
 from . import finetune_fsdp
-from .finetune_settings import LORA_RANK, FinetuneConfig, with_device_defaults
-from .finetune_data import ByteTokenizer, FinetuneInputError, corpus_files, pack, read_documents, tokenize
+from .finetune_settings import (
+    LORA_RANK,
+    NUM_LABELS,
+    SEQUENCE_CLASSIFICATION,
+    FinetuneConfig,
+    with_device_defaults,
+)
+from .finetune_data import (
+    ByteTokenizer,
+    FinetuneInputError,
+    corpus_files,
+    label_documents,
+    pack,
+    read_documents,
+    tokenize,
+)
 from .finetune_metrics import FinetuneMetrics, PatchCounts, steady_step_times
-from .loading import load_model, looks_like_path
+from .loading import load_classifier, load_model, looks_like_path
 from .norm_free import ORACLE_NOTE, fused_ropes, norm_free
 from .presets import preset_names
 
@@ -73,8 +88,9 @@ def describe_run(config: FinetuneConfig, accelerator: Accelerator) -> str:
         norms = f"none ({ORACLE_NOTE})"
     else:
         norms = backend.describe(accelerator.device) if config.patch else "Hugging Face's own (--no-patch)"
+    task = " for sequence classification" if config.task == SEQUENCE_CLASSIFICATION else ""
     return (
-        f"fine-tuning {config.model}{' with LoRA' if config.lora else ''}: {config.max_steps} steps x "
+        f"fine-tuning {config.model}{task}{' with LoRA' if config.lora else ''}: {config.max_steps} steps x "
         f"{config.batch_size} sequences x {config.seq_len} tokens x {processes} = {tokens} tokens "
         f"on {accelerator.device.type}{precision}{sharding if config.fsdp else ''}; norms: {norms}"
     )
@@ -89,18 +105,28 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
     accelerator.print(describe_run(config, accelerator))
     set_seed(config.seed)
 
+    classifying = config.task == SEQUENCE_CLASSIFICATION
+    if classifying and config.fsdp:
+        raise FinetuneInputError("--fsdp shards a causal LM's decoder layers: run --task sequence-classification "
+                                 "without it (DDP)")
     # accelerate's FSDP shards from CPU; everything else is loaded straight onto its device.
     device = "cpu" if accelerate_shards(accelerator) else accelerator.device
-    model, tokenizer = load_model(config.model, dtype=torch.float32, device=device, seed=config.seed)
+    if classifying:
+        model, tokenizer = load_classifier(config.model, num_labels=NUM_LABELS, dtype=torch.float32, device=device,
+                                           seed=config.seed)
+    else:
+        model, tokenizer = load_model(config.model, dtype=torch.float32, device=device, seed=config.seed)
     vocab_size = model.get_input_embeddings().num_embeddings
     if tokenizer is None:
         accelerator.print(f"{config.model} has no tokenizer: training on {ByteTokenizer(vocab_size).describe()}")
-    sequences = pack(
-        tokenize(documents, tokenizer, vocab_size),
-        config.seq_len,
-        min_sequences=config.batch_size * accelerator.num_processes,
-    )
-    accelerator.print(f"corpus: {len(documents)} documents -> {len(sequences)} sequences of {config.seq_len} tokens")
+    min_sequences = config.batch_size * accelerator.num_processes
+    if classifying:
+        dataset = torch.utils.data.TensorDataset(*label_documents(
+            documents, tokenizer, vocab_size, config.seq_len, NUM_LABELS, min_sequences))
+    else:
+        dataset = pack(tokenize(documents, tokenizer, vocab_size), config.seq_len, min_sequences=min_sequences)
+    accelerator.print(f"corpus: {len(documents)} documents -> {len(dataset)} sequences of {config.seq_len} tokens"
+                      + (f", {NUM_LABELS} labels" if classifying else ""))
 
     if config.norm_free and accelerator.num_processes > 1:
         # The stand-ins leave the norms' weights without gradients, which DDP and FSDP refuse.
@@ -119,13 +145,13 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
     if config.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if config.lora:
-        model = add_lora(model, config.seed)
+        model = add_lora(model, config.seed, "SEQ_CLS" if classifying else "CAUSAL_LM")
 
-    dataloader = make_dataloader(sequences, config.batch_size, config.seed)
+    dataloader = make_dataloader(dataset, config.batch_size, config.seed)
     model, optimizer, dataloader = prepare(accelerator, model, dataloader, config)
     tokens_per_step = config.batch_size * accelerator.num_processes * config.seq_len
     result = train(accelerator, model, optimizer, dataloader, config.max_steps, tokens_per_step)
-    final_loss = evaluate(model, sequences[:1].to(accelerator.device))
+    final_loss = evaluate(model, [t.to(accelerator.device) for t in _as_tuple(dataset[:1])])
 
     metrics = FinetuneMetrics(
         model=config.model,
@@ -147,6 +173,7 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
         step_times_s=result.step_times_s,
         tokens_per_s=result.tokens_per_s,
         peak_memory_bytes=result.peak_memory_bytes,
+        task=config.task,
     )
     # Written before the save, which measures nothing (and writes the full model: seconds at the 1B shape), so a
     # run stopped by a time limit while saving (the GPU suite's training sections) still leaves its figures.
@@ -242,8 +269,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     enable({"use_reentrant": False})
 
 
-def add_lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Wraps ``model`` with a PEFT LoRA adapter on every linear layer but the LM head."""
+def add_lora(model: torch.nn.Module, seed: int, task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """Wraps ``model`` with a PEFT LoRA adapter on every linear layer but the output head (PEFT's ``task_type``:
+    ``"SEQ_CLS"`` also trains a classification head in full)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
@@ -251,7 +279,7 @@ def add_lora(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     # The adapter's random A matrices must not depend on how much randomness loading consumed.
     torch.manual_seed(seed)
     lora_config = LoraConfig(
-        task_type="CAUSAL_LM", r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules="all-linear"
+        task_type=task_type, r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules="all-linear"
     )
     return get_peft_model(model, lora_config)
 
@@ -279,10 +307,25 @@ def make_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
-def make_dataloader(sequences: torch.Tensor, batch_size: int, seed: int) -> DataLoader:
-    """Shuffled full batches; the seeded generator makes the order the same in every run with this seed."""
+def make_dataloader(dataset: torch.utils.data.Dataset, batch_size: int, seed: int) -> DataLoader:
+    """Shuffled full batches (of sequences, or of ``(sequences, labels)``); the seeded generator makes the order the
+    same in every run with this seed."""
     generator = torch.Generator().manual_seed(seed)
-    return DataLoader(sequences, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, generator=generator)
+
+
+def _as_tuple(batch: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A batch as ``(input_ids,)`` (a causal LM's) or ``(input_ids, labels)`` (sequence classification's)."""
+    return (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
+
+
+def model_inputs(batch: tuple[torch.Tensor, ...]) -> dict[str, object]:
+    """The forward's arguments for a batch (``_as_tuple``): the next-token loss of the ids themselves, or the
+    classification loss of their labels."""
+    if len(batch) == 1:
+        return {"input_ids": batch[0], "labels": batch[0], "use_cache": False}
+    input_ids, labels = batch
+    return {"input_ids": input_ids, "labels": labels}
 
 
 def train(
@@ -304,9 +347,9 @@ def train(
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     with tqdm(total=max_steps, desc="fine-tuning", disable=not accelerator.is_main_process) as bar:
         for _ in range(max_steps):
-            input_ids = next(batches)
+            batch = _as_tuple(next(batches))
             start = time.perf_counter()
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            loss = model(**model_inputs(batch)).loss
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -322,11 +365,11 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, input_ids: torch.Tensor) -> float:
-    """The trained model's mean loss on ``input_ids`` (the same on every process: under FSDP all of them must run
-    the forward), in eval mode; recorded so that a reloaded checkpoint can be checked against it."""
+def evaluate(model: torch.nn.Module, batch: list[torch.Tensor] | torch.Tensor) -> float:
+    """The trained model's mean loss on ``batch`` (``_as_tuple``; the same on every process: under FSDP all of them
+    must run the forward), in eval mode; recorded so that a reloaded checkpoint can be checked against it."""
     model.eval()
-    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss.item()
+    loss = model(**model_inputs(_as_tuple(batch))).loss.item()
     model.train()
     return loss
 

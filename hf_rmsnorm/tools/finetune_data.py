@@ -139,3 +139,27 @@ def pack(tokens: Sequence[int], seq_len: int, min_sequences: int = 1) -> torch.T
             "(batch size x processes): use a smaller --seq-len or --batch-size, or more text"
         )
     return torch.tensor(tokens[: n_rows * seq_len], dtype=torch.long).view(n_rows, seq_len)
+
+
+def label_documents(
+    documents: Sequence[str], tokenizer, vocab_size: int, seq_len: int, num_labels: int, min_sequences: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences and labels for sequence classification: each document tokenized alone and cut into rows of
+    ``seq_len`` (its incomplete last row dropped), every row of document ``i`` labelled ``i % num_labels``.
+
+    The labels are synthetic (which of the interleaved parts of the corpus a sequence comes from): they give a
+    classification head a deterministic target on any corpus, which is what comparing a patched run with an
+    unpatched one needs. Returns ``([n, seq_len]`` int64 rows, ``[n]`` int64 labels).
+    """
+    rows, labels = [], []
+    for index, document in enumerate(documents):
+        tokens = tokenize([document], tokenizer, vocab_size)
+        for start in range(0, len(tokens) - seq_len + 1, seq_len):
+            rows.append(tokens[start:start + seq_len])
+            labels.append(index % num_labels)
+    if len(rows) < min_sequences:
+        raise FinetuneInputError(
+            f"the corpus gives {len(rows)} sequence(s) of {seq_len} tokens (each document cut alone) but one step "
+            f"needs {min_sequences} (batch size x processes): use a smaller --seq-len or --batch-size, or more text"
+        )
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(labels, dtype=torch.long)

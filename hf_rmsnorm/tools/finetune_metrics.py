@@ -62,6 +62,7 @@ class FinetuneMetrics(Record):
     step_times_s: list[float]
     tokens_per_s: float  # of the whole job (every process's tokens) over ``steady_step_times``
     peak_memory_bytes: int | None  # the main process's peak GPU memory during training; None off the GPU
+    task: str = "causal-lm"  # ``finetune_settings.TASKS``; absent from files written before it existed
 
     @property
     def median_step_s(self) -> float:

@@ -14,6 +14,13 @@ from pathlib import Path
 from . import cli
 from .presets import DEFAULT_PRESET
 
+# What a run trains: a causal LM on its next-token loss, or an encoder with a sequence-classification head (with
+# NUM_LABELS labels, ``finetune_data.label_documents``).
+CAUSAL_LM = "causal-lm"
+SEQUENCE_CLASSIFICATION = "sequence-classification"
+TASKS = (CAUSAL_LM, SEQUENCE_CLASSIFICATION)
+NUM_LABELS = 2
+
 # Learning rates when --lr is not given: common choices for full fine-tuning and for LoRA adapters.
 FULL_FINETUNE_LR = 2e-5
 LORA_LR = 2e-4
@@ -37,6 +44,11 @@ class FinetuneConfig:
 
     model: str = cli.option(f"preset, save_pretrained dir or Hub id (default {DEFAULT_PRESET})",
                             default=DEFAULT_PRESET)
+    task: str = cli.option(
+        f"what to train: {CAUSAL_LM} (next-token loss) or {SEQUENCE_CLASSIFICATION} (an encoder, e.g. --model "
+        f"tiny-bert or a BERT-family save_pretrained dir, with a {NUM_LABELS}-label head on labels made from the "
+        "corpus: each document's sequences labelled by its position in the corpus, alternately)",
+        default=CAUSAL_LM, type=cli.one_of(*TASKS), metavar="{" + ",".join(TASKS) + "}")
     data: Path | None = cli.option(
         "text file or directory of .txt files (default: this project's docs and sources)", default=None, type=Path)
     output_dir: Path = cli.option(

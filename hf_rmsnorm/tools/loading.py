@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import os
 import socket
 import urllib.request
@@ -21,10 +22,17 @@ from urllib.parse import urlparse
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from .cli import InputError
-from .presets import PRESETS, REAL_PRESETS, RealPreset, build_preset, preset_names
+from .presets import ENCODER_PRESETS, PRESETS, REAL_PRESETS, RealPreset, build_preset, preset_names
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -35,6 +43,12 @@ _HUB_PROBE_TIMEOUT_S = 3.0
 
 class ModelLoadError(InputError):
     """A model or setting the user named cannot be loaded; the message is one actionable line."""
+
+
+def _check_dtype(dtype: object) -> None:
+    """A ``ModelLoadError`` unless ``dtype`` is one of the ``DTYPES``."""
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -104,13 +118,21 @@ def _from_pretrained(
     *,
     local_only: bool,
     with_tokenizer: bool,
+    encoder: bool = False,
+    num_labels: int | None = None,
     **file_args,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     # On a GPU, device_map puts the weights straight on the card (one device: no accelerate hooks).
     device_map = {"": device} if device.type != "cpu" else None
-    model = AutoModelForCausalLM.from_pretrained(
+    if num_labels is not None:
+        auto_class, file_args = AutoModelForSequenceClassification, {**file_args, "num_labels": num_labels}
+    else:
+        auto_class = AutoModel if encoder else AutoModelForCausalLM
+    model = auto_class.from_pretrained(
         source, dtype=dtype, device_map=device_map, local_files_only=local_only, **file_args
     )
+    if encoder and model.config.is_encoder_decoder:
+        model = model.get_encoder()  # an encoder-decoder is checked through its encoder (verify_encoder.py)
     tokenizer = (
         AutoTokenizer.from_pretrained(source, local_files_only=local_only, gguf_file=file_args.get("gguf_file"))
         if with_tokenizer else None
@@ -118,7 +140,31 @@ def _from_pretrained(
     return model.to(device).eval(), tokenizer
 
 
-def _load_directory(name: str, dtype: torch.dtype, device: torch.device):
+# The class-name endings of a generative decoder's architecture in a config.json.
+_DECODER_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_encoder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names an encoder, which ``verify`` checks on hidden states and embeddings: an
+    encoder preset, or a saved model whose config is an encoder-decoder's or names no causal-LM architecture
+    (``BertModel``, ``XLMRobertaForMaskedLM``; ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` are decoders). Presets
+    of decoders and Hub ids are decoders."""
+    if name_or_path in ENCODER_PRESETS:
+        return True
+    if name_or_path in PRESETS or name_or_path in REAL_PRESETS or not looks_like_path(name_or_path):
+        return False
+    config_file = Path(name_or_path).expanduser() / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return False  # _load_directory says what is wrong with it
+    architectures = config.get("architectures") or []
+    return bool(config.get("is_encoder_decoder")) or not any(a.endswith(_DECODER_ARCHITECTURES)
+                                                              for a in architectures)
+
+
+def _load_directory(name: str, dtype: torch.dtype, device: torch.device, *, encoder: bool = False,
+                    num_labels: int | None = None):
     path = Path(name).expanduser()
     if not path.exists():
         raise ModelLoadError(f"{name}: no such file or directory; {_choices_hint()}")
@@ -128,10 +174,13 @@ def _load_directory(name: str, dtype: torch.dtype, device: torch.device):
         raise ModelLoadError(f"{name}: no config.json, so no model saved here; {_choices_hint()}")
     with_tokenizer = any((path / f).is_file() for f in _TOKENIZER_FILES)
     try:
-        return _from_pretrained(str(path), dtype, device, local_only=True, with_tokenizer=with_tokenizer)
+        return _from_pretrained(str(path), dtype, device, local_only=True, with_tokenizer=with_tokenizer,
+                                encoder=encoder, num_labels=num_labels)
     except (OSError, ValueError, KeyError) as exc:
         # Unknown model_type, a config that is not a causal LM, missing or corrupt weight files.
-        raise ModelLoadError(f"{name}: transformers cannot load it as a causal LM: {_first_line(exc)}") from exc
+        what = ("a sequence classifier" if num_labels is not None else "an encoder" if encoder
+                else "a causal LM")
+        raise ModelLoadError(f"{name}: transformers cannot load it as {what}: {_first_line(exc)}") from exc
 
 
 class HubUnavailable(ModelLoadError):
@@ -206,9 +255,47 @@ def _load_real_preset(name: str, dtype: torch.dtype, device: torch.device):
     return _load_gguf(name, preset, path, dtype, device)
 
 
+def load_encoder(
+    name_or_path: str, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Loads an encoder (``is_encoder``) in eval mode on ``device``, with its tokenizer when one was saved: an
+    encoder preset (random weights, no tokenizer) or a ``save_pretrained`` directory, through ``AutoModel``; of an
+    encoder-decoder, its encoder.
+
+    Raises:
+        ModelLoadError: with a one-line message saying what to pass instead.
+    """
+    _check_dtype(dtype)
+    device = torch.device(device)
+    if name_or_path in ENCODER_PRESETS:
+        return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None
+    return _load_directory(name_or_path, dtype, device, encoder=True)
+
+
+def load_classifier(
+    name_or_path: str, *, num_labels: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Loads a model with a sequence-classification head of ``num_labels`` labels (``AutoModelForSequence
+    Classification``; a checkpoint without one gets a fresh head), in eval mode on ``device``, with its tokenizer
+    when one was saved: an encoder preset (``tiny-bert``: random weights) or a ``save_pretrained`` directory.
+
+    Raises:
+        ModelLoadError: with a one-line message saying what to pass instead.
+    """
+    device = torch.device(device)
+    if name_or_path in ENCODER_PRESETS:
+        model = build_preset(name_or_path, dtype=dtype, seed=seed, device=device, num_labels=num_labels)
+        return model, None
+    if not looks_like_path(name_or_path):
+        what = "a causal-LM preset" if name_or_path in preset_names() else "not a directory"
+        raise ModelLoadError(f"{name_or_path} is {what}: sequence classification takes an encoder preset "
+                             f"({', '.join(ENCODER_PRESETS)}) or a save_pretrained directory")
+    return _load_directory(name_or_path, dtype, device, num_labels=num_labels)
+
+
 def weights_source(name_or_path: str, model: PreTrainedModel, seed: int = 0) -> str:
     """Where ``load_model(name_or_path)`` took ``model``'s weights from, for reports."""
-    if name_or_path in PRESETS:
+    if name_or_path in PRESETS or name_or_path in ENCODER_PRESETS:
         return f"random weights (seed {seed})"
     if name_or_path in REAL_PRESETS:
         preset = REAL_PRESETS[name_or_path]
@@ -235,8 +322,7 @@ def load_model(
     Raises:
         ModelLoadError: with a one-line message saying what to pass instead.
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in DTYPES.values():
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    _check_dtype(dtype)
     device = torch.device(device)
     if name_or_path in PRESETS:
         return build_preset(name_or_path, dtype=dtype, seed=seed, device=device), None

@@ -134,6 +134,36 @@ PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
 DEFAULT_PRESET = "tiny-llama"
 
 
+def _tiny_t5_encoder() -> PretrainedConfig:
+    """T5's encoder (T5-small's layout scaled down): RMSNorms that round to the weight's dtype, relative attention
+    buckets, no biases."""
+    return _config("T5Config", vocab_size=512, d_model=128, d_kv=32, d_ff=344, num_layers=2, num_heads=4,
+                   pad_token_id=PAD_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, decoder_start_token_id=PAD_TOKEN_ID,
+                   initializer_factor=1.0)
+
+
+def _tiny_bert() -> PretrainedConfig:
+    """BERT (a sentence-embedding encoder's layout scaled down): post-LN layers, an embedding LayerNorm."""
+    return _config("BertConfig", vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   intermediate_size=344, max_position_embeddings=512, pad_token_id=PAD_TOKEN_ID,
+                   initializer_range=0.1)
+
+
+def _bert_base_shape() -> PretrainedConfig:
+    """BERT-base's shape: 12 post-LN layers of width 768, FFN 3072, 30522-token vocabulary (109M parameters): the
+    embedding workload of the encoder speed goal."""
+    return _config("BertConfig", vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                   intermediate_size=3072, max_position_embeddings=512, pad_token_id=PAD_TOKEN_ID)
+
+
+# Random-weight encoders (``AutoModel``'s class, T5's encoder alone), for ``scripts/verify.py``'s encoder path.
+ENCODER_PRESETS: dict[str, Callable[[], PretrainedConfig]] = {
+    "tiny-t5-encoder": _tiny_t5_encoder,
+    "tiny-bert": _tiny_bert,
+    "bert-base-shape": _bert_base_shape,
+}
+
+
 @dataclass(frozen=True)
 class RealPreset:
     """A trained checkpoint that ``loading.load_model`` finds on the Hub or, offline, in a pip package that
@@ -171,37 +201,46 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def preset_names() -> list[str]:
     """Every name ``loading.load_model`` accepts as a preset, random-weight ones first."""
-    return [*PRESETS, *REAL_PRESETS]
+    return [*PRESETS, *ENCODER_PRESETS, *REAL_PRESETS]
 
 
 def build_preset(
-    name: str, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu"
+    name: str, dtype: torch.dtype | None = None, seed: int = 0, device: str | torch.device = "cpu",
+    num_labels: int | None = None,
 ) -> PreTrainedModel:
     """Builds the preset ``name`` with random weights drawn from ``seed``, in eval mode, on ``device`` (the
     full-size shapes are built where they will run: drawing 8B weights on a CPU takes minutes).
 
     The weights are drawn in fp32 and then cast to ``dtype`` (default fp32), so a preset holds the same values
-    (up to rounding) in every dtype.
+    (up to rounding) in every dtype. ``num_labels``: the preset with a sequence-classification head of that many
+    labels (``AutoModelForSequenceClassification``) instead.
 
     Raises:
-        KeyError: ``name`` is not in ``PRESETS``.
+        KeyError: ``name`` is not in ``PRESETS`` or ``ENCODER_PRESETS``.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, T5EncoderModel
 
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
-    config = PRESETS[name]()
+    if name not in PRESETS and name not in ENCODER_PRESETS:
+        raise KeyError(f"unknown preset {name!r}: choose one of {', '.join([*PRESETS, *ENCODER_PRESETS])}")
+    config = (PRESETS.get(name) or ENCODER_PRESETS[name])()
+    if num_labels is not None:
+        config.num_labels = num_labels
+        build = AutoModelForSequenceClassification.from_config
+    elif name in PRESETS:
+        build = AutoModelForCausalLM.from_config
+    else:  # an encoder-decoder's preset is its encoder
+        build = T5EncoderModel._from_config if config.is_encoder_decoder else AutoModel.from_config
     device = torch.device(device)
     generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
     # from_config draws its initial weights from the global RNG; fork it so building a preset leaves the
     # caller's random state alone.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = build(config, dtype=torch.float32)
     if device.type != "meta":
         with torch.no_grad():
             for name_, param in model.named_parameters():
-                if name_.endswith("norm.weight"):
+                if name_.endswith(("norm.weight", "LayerNorm.weight")):
                     param.normal_(1.0, _NORM_WEIGHT_STD, generator=generator)
     return model.to(dtype or torch.float32).eval()

@@ -29,9 +29,9 @@ import hf_rmsnorm
 
 from ..ops import backend
 from ..patch import UnsupportedModelError, check_model, patch_model, unpatch_model
-from . import parity, workload
+from . import parity, verify_encoder, workload
 from .cli import InputError
-from .loading import DTYPES, load_model, parse_dtype, weights_source
+from .loading import DTYPES, is_encoder, load_encoder, load_model, parse_dtype, weights_source
 from .norm_free import ORACLE_NOTE, format_share, fused_ropes, gain_share, norm_free
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import ModelState, SpeedFigures, measure_states, speedups
@@ -96,23 +96,12 @@ def _compiled(settings: WorkloadSettings) -> str:
     return f" compiled (static cache, torch.compile mode {mode})" if mode else ""
 
 
-def render(report: VerifyReport) -> str:
+def render(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> str:
     """The human-readable report printed on stdout."""
+    if isinstance(report, verify_encoder.EncoderVerifyReport):
+        return render_encoder(report)
     env, patch, par, speed, settings = report.environment, report.patch, report.parity, report.speed, report.settings
-    lines = [
-        f"hf_rmsnorm {env.hf_rmsnorm} verify: {report.model} ({report.model_class}, "
-        f"{_count(report.parameters)} parameters), {report.dtype} on {env.device_name}",
-        f"weights: {report.weights}",
-        f"torch {env.torch}, transformers {env.transformers}, triton {env.triton}, Python {env.python}",
-    ]
-    if env.triton_interpreter:
-        lines.append(
-            "Kernels ran in Triton's CPU interpreter (TRITON_INTERPRET=1): a correctness check, not a speed one."
-        )
-    families = f" ({', '.join(patch.families)})" if patch.families else ""
-    lines += ["", f"Patch: {patch.norms} norms replaced{families}, {patch.fused_adds} residual adds fused, "
-              f"{patch.skipped} skipped"]
-    lines += [f"  skipped {name}: {reason}" for name, reason in patch.skipped_modules]
+    lines = _header(report)
 
     positions = par.positions
     prompts = (
@@ -194,6 +183,192 @@ def render(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
+def _header(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> list[str]:
+    """The lines every report starts with: the model, the environment and the patch summary."""
+    env, patch = report.environment, report.patch
+    lines = [
+        f"hf_rmsnorm {env.hf_rmsnorm} verify: {report.model} ({report.model_class}, "
+        f"{_count(report.parameters)} parameters), {report.dtype} on {env.device_name}",
+        f"weights: {report.weights}",
+        f"torch {env.torch}, transformers {env.transformers}, triton {env.triton}, Python {env.python}",
+    ]
+    if env.triton_interpreter:
+        lines.append(
+            "Kernels ran in Triton's CPU interpreter (TRITON_INTERPRET=1): a correctness check, not a speed one."
+        )
+    families = f" ({', '.join(patch.families)})" if patch.families else ""
+    lines += ["", f"Patch: {patch.norms} norms replaced{families}, {patch.fused_adds} residual adds fused, "
+              f"{patch.skipped} skipped"]
+    lines += [f"  skipped {name}: {reason}" for name, reason in patch.skipped_modules]
+    return lines
+
+
+def render_encoder(report: verify_encoder.EncoderVerifyReport) -> str:
+    """The human-readable report of an encoder's run."""
+    par, speed, settings, norms = report.parity, report.speed, report.settings, report.norm_outputs
+    lines = _header(report) + [
+        "",
+        f"Parity: {settings.parity_batch_size} passage rows right-padded to {settings.parity_tokens} tokens "
+        f"({par.positions} real tokens); reference = unpatched model in {par.reference_dtype}",
+        _table([
+            ("", "unpatched", "patched"),
+            ("max |hidden-state error| vs reference", _g(par.unpatched_hidden_max_err),
+             _g(par.patched_hidden_max_err)),
+            ("mean |hidden-state error| vs reference", _g(par.unpatched_hidden_mean_err),
+             _g(par.patched_hidden_mean_err)),
+            ("mean |embedding error| vs reference", _g(par.unpatched_embedding_mean_err),
+             _g(par.patched_embedding_mean_err)),
+            ("lowest embedding cosine with reference", f"{par.unpatched_min_cosine:.9f}",
+             f"{par.patched_min_cosine:.9f}"),
+        ]),
+        "Patched vs unpatched",
+        _table([
+            ("norm outputs, same inputs", f"{norms.differing} of {_count_plain(norms.elements)} elements "
+             f"differ ({norms.norm_calls} norm calls), by at most {norms.max_ulp} ulp"),
+            ("hidden states bitwise equal", f"{100 * par.hidden_equal_fraction:.1f}%"),
+            ("max |d hidden state|", _g(par.hidden_max_abs_diff)),
+        ], numeric=False),
+        "",
+    ]
+    if speed is None:
+        lines.append("Speed: not measured; it needs a GPU (the interpreter's timings would mean nothing).")
+    else:
+        lines += [
+            f"Speed: embedding forward on {report.environment.device_name}, batch {settings.speed_batch_size} x "
+            f"{settings.speed_tokens} tokens, median of {settings.repeats} rounds, the three states interleaved",
+            _table([
+                ("", "unpatched", "patched", "speedup", "norm-free", "share of its gain"),
+                ("tokens/s", f"{speed.unpatched_tokens_per_s:.0f}", f"{speed.patched_tokens_per_s:.0f}",
+                 f"{speed.speedup:.3f}x", f"{speed.norm_free_tokens_per_s:.0f}", format_share(speed.gain_share)),
+            ]),
+            f"  {speed.norm_free_note}: the most any norm kernel could save.",
+        ]
+    ratio = (par.patched_hidden_mean_err / par.unpatched_hidden_mean_err if par.unpatched_hidden_mean_err
+             else (1.0 if par.patched_hidden_mean_err == 0 else float("inf")))
+    lines += ["", f"Verdict: {'PASS' if report.passed else 'FAIL'}: hidden-state error vs reference {ratio:.3f}x the "
+              f"unpatched model's ({'ok' if par.hidden_ok else 'too high'}), embedding error "
+              f"({'ok' if par.embeddings_ok else 'too high'})"]
+    if report.failure:
+        lines.append(f"  {report.failure}")
+    return "\n".join(lines)
+
+
+def _loaded(config: VerifyConfig, device: torch.device, load: Callable[..., tuple]) -> tuple:
+    """``(model, tokenizer, plan, dtype, dtype name)`` of ``config.model`` loaded by ``load`` (``load_model`` or
+    ``load_encoder``), and planned: an unpatchable model is refused before any work (an ``InputError``)."""
+    dtype = parse_dtype(config.dtype)
+    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
+    with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
+        model, tokenizer = load(config.model, dtype=dtype, device=device, seed=config.seed)
+    try:
+        planned = check_model(model)
+    except UnsupportedModelError as exc:
+        raise InputError(f"{config.model}: {exc}") from exc
+    return model, tokenizer, planned, dtype, dtype_name
+
+
+def _unpatched_and_reference(
+    model: torch.nn.Module, norms: list[str], dtype: torch.dtype, forward: Callable[[], torch.Tensor], what: str
+) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """``forward()`` of the unpatched model, recording every norm's input and output, then of the same weights upcast
+    in place to the reference dtype (``parity.upcast``, restored exactly after): ``(eager, reference, norm calls)``;
+    ``what`` names the output in the progress lines."""
+    with step(f"unpatched model: {what}, recording every norm's input and output"):
+        with recorded_norm_calls(model, norms) as norm_calls:
+            eager = forward()
+    reference_dtype = parity.reference_dtype(dtype)
+    with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
+        with parity.upcast(model, reference_dtype):
+            reference = forward()
+    return eager, reference, norm_calls
+
+
+def _patched(model: torch.nn.Module, norm_calls: list, on_gpu: bool, forward: Callable[[], torch.Tensor],
+             what: str) -> tuple[object, torch.Tensor, object]:
+    """Patches ``model`` in place and runs ``forward()`` again, then each patched norm on the unpatched run's
+    recorded inputs: ``(the patch report, the patched output, the norm outputs' agreement)``."""
+    with step("patching"):
+        patch = patch_model(model)
+    kernels = "" if on_gpu else " (Triton interpreter)"
+    with step(f"patched model{kernels}: {what}"):
+        patched = forward()
+    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
+        agreement = compare_norm_outputs(model, norm_calls)
+    norm_calls.clear()  # the recorded tensors are no longer needed
+    return patch, patched, agreement
+
+
+def _environment(device: torch.device) -> Environment:
+    """The versions and the device of this run."""
+    on_gpu = device.type == "cuda"
+    return Environment(
+        hf_rmsnorm=hf_rmsnorm.__version__, torch=torch.__version__,
+        transformers=transformers.__version__, triton=triton.__version__,
+        python=platform.python_version(), device=device.type,
+        device_name=torch.cuda.get_device_name(device) if on_gpu else "cpu",
+        triton_interpreter=not on_gpu,
+        kernels=backend.describe(device),
+    )
+
+
+def _patch_summary(patch) -> PatchSummary:
+    """The counted form of a ``PatchReport``."""
+    return PatchSummary(
+        norms=len(patch.norms), fused_adds=len(patch.fused_adds), skipped=len(patch.skipped),
+        skipped_modules=list(patch.skipped), families=list(patch.families),
+    )
+
+
+def run_encoder(config: VerifyConfig, device: torch.device,
+                on_report: Callable[[verify_encoder.EncoderVerifyReport], object] | None = None,
+                ) -> verify_encoder.EncoderVerifyReport:
+    """``run`` for an encoder (``loading.is_encoder``): hidden-state and embedding parity, and on a GPU the
+    embedding workload's speed (``verify_encoder``'s docstring). ``on_report`` as for ``run``.
+
+    Raises:
+        InputError: the model cannot be loaded or patched.
+    """
+    on_gpu = device.type == "cuda"
+    model, tokenizer, planned, dtype, dtype_name = _loaded(config, device, load_encoder)
+    pad_id = workload.pad_token_id(model, tokenizer)
+    vocab_size = model.get_input_embeddings().weight.shape[0]
+    prompts = verify_encoder.parity_batch(tokenizer, vocab_size, max(2, config.batch_size), config.prompt_len,
+                                          pad_id, device)
+    def forward() -> torch.Tensor:
+        return verify_encoder.hidden_states(model, prompts)
+
+    eager, reference, norm_calls = _unpatched_and_reference(model, planned.norms, dtype, forward, "hidden states")
+    patch, patched, norm_agreement = _patched(model, norm_calls, on_gpu, forward, "hidden states")
+    result = verify_encoder.compare(eager, patched, reference, prompts.attention_mask, dtype)
+    failure = None if patch.norms else "nothing was patched, so parity proves nothing"
+    report = verify_encoder.EncoderVerifyReport(
+        kind="encoder", passed=result.passed and failure is None, failure=failure, model=config.model,
+        model_class=type(model).__name__, weights=weights_source(config.model, model, config.seed),
+        parameters=sum(p.numel() for p in model.parameters()), dtype=dtype_name,
+        settings=verify_encoder.EncoderSettings(
+            parity_batch_size=int(prompts.input_ids.shape[0]), parity_tokens=int(prompts.input_ids.shape[1]),
+            speed_batch_size=verify_encoder.EMBEDDING_BATCH, speed_tokens=verify_encoder.EMBEDDING_TOKENS,
+            repeats=config.repeats if on_gpu else None, seed=config.seed),
+        environment=_environment(device), patch=_patch_summary(patch), parity=result, norm_outputs=norm_agreement,
+        rule=verify_encoder.ENCODER_VERDICT_RULE, speed=None,
+    )
+    if not on_gpu:
+        return report
+    if on_report is not None:
+        on_report(report)
+    speed_prompts = workload.make_prompts(tokenizer, vocab_size, verify_encoder.EMBEDDING_BATCH,
+                                          verify_encoder.EMBEDDING_TOKENS, pad_id, left_pad=False, device=device)
+
+    def timed_round(rates: dict[str, float], rounds: int) -> None:
+        on_report(verify_encoder.with_speed(report, verify_encoder.speed_report(rates, rounds, partial=True)))
+
+    with step(f"timing the embedding forward: unpatched, patched and norm-free interleaved, {config.repeats} "
+              "rounds"):
+        rates = verify_encoder.measure_forward_states(model, _timed_states(model, planned.norms), speed_prompts,
+                                                      config.repeats, None if on_report is None else timed_round)
+    return verify_encoder.with_speed(report, verify_encoder.speed_report(rates, config.repeats))
+
+
 def _texts(tokenizer, generation: workload.Generation, eos_id) -> list[str]:
     """Each row's generated text, up to its end-of-sequence token."""
     stops = set(eos_id if isinstance(eos_id, list) else [eos_id])
@@ -252,8 +427,10 @@ def _speed_report(figures: dict[str, SpeedFigures], rounds: int, partial: bool =
 
 
 def run(config: VerifyConfig, device: torch.device,
-        on_report: Callable[[VerifyReport], object] | None = None) -> VerifyReport:
-    """Loads, checks, runs, patches and compares; returns the report.
+        on_report: Callable[[VerifyReport], object] | None = None,
+        ) -> VerifyReport | verify_encoder.EncoderVerifyReport:
+    """Loads, checks, runs, patches and compares; returns the report. An encoder (``loading.is_encoder``) takes
+    ``run_encoder``.
 
     On a GPU, ``on_report`` (if given) is called with the report as it stands before the timing starts (no
     speed) and after every timed round (the figures so far, ``speed.partial``), so a run stopped while timing
@@ -262,16 +439,10 @@ def run(config: VerifyConfig, device: torch.device,
     Raises:
         InputError: the model cannot be loaded or patched; the message says what to pass instead.
     """
+    if is_encoder(config.model):
+        return run_encoder(config, device, on_report)
     on_gpu = device.type == "cuda"
-    dtype = parse_dtype(config.dtype)
-    dtype_name = next(name for name, value in DTYPES.items() if value == dtype)
-
-    with step(f"loading {config.model} ({dtype_name}) on {device.type}"):
-        model, tokenizer = load_model(config.model, dtype=dtype, device=device, seed=config.seed)
-    try:
-        planned = check_model(model)  # refuse an unpatchable model before any work
-    except UnsupportedModelError as exc:
-        raise InputError(f"{config.model}: {exc}") from exc
+    model, tokenizer, planned, dtype, dtype_name = _loaded(config, device, load_model)
     new_tokens = config.max_new_tokens
     pad_id = workload.pad_token_id(model, tokenizer)
     vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -293,24 +464,16 @@ def run(config: VerifyConfig, device: torch.device,
         with step(f"{label}: up to {new_tokens} greedy tokens per row{compiled}"):
             return workload.greedy_tokens(model, prompts, new_tokens, pad_id, compile_on=compile_on)
 
-    # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held.
-    with step("unpatched model: logits, recording every norm's input and output"):
-        with recorded_norm_calls(model, planned.norms) as norm_calls:
-            eager_logits = workload.prompt_logits(model, prompts)
+    def forward() -> torch.Tensor:
+        return workload.prompt_logits(model, prompts)
+
+    # Unpatched first, then the reference, then patch in place: no second copy of the model is ever held. The
+    # unpatched model generates after the reference ran: the upcast restores its weights bit for bit.
+    eager_logits, reference_logits, norm_calls = _unpatched_and_reference(model, planned.norms, dtype, forward,
+                                                                          "logits")
     eager_generation = generation("unpatched model")
-    reference_dtype = parity.reference_dtype(dtype)
-    with step(f"reference: unpatched model upcast to {str(reference_dtype).removeprefix('torch.')}"):
-        with parity.upcast(model, reference_dtype):
-            reference_logits = workload.prompt_logits(model, prompts)
-    with step("patching"):
-        patch = patch_model(model)
-    kernels = "" if on_gpu else " (Triton interpreter)"
-    with step(f"patched model{kernels}: logits"):
-        patched_logits = workload.prompt_logits(model, prompts)
-    with step(f"patched norms{kernels}: rerun on the recorded inputs"):
-        norm_agreement = compare_norm_outputs(model, norm_calls)
-    del norm_calls
-    patched_generation = generation(f"patched model{kernels}")
+    patch, patched_logits, norm_agreement = _patched(model, norm_calls, on_gpu, forward, "logits")
+    patched_generation = generation(f"patched model{'' if on_gpu else ' (Triton interpreter)'}")
 
     result = parity.compare(
         eager_logits, patched_logits, reference_logits, dtype, eager_generation, patched_generation
@@ -341,18 +504,8 @@ def run(config: VerifyConfig, device: torch.device,
             max_new_tokens=new_tokens, repeats=config.repeats if on_gpu else None, seed=config.seed,
             compile=workload.COMPILE_MODES.get(compile_on),
         ),
-        environment=Environment(
-            hf_rmsnorm=hf_rmsnorm.__version__, torch=torch.__version__,
-            transformers=transformers.__version__, triton=triton.__version__,
-            python=platform.python_version(), device=device.type,
-            device_name=torch.cuda.get_device_name(device) if on_gpu else "cpu",
-            triton_interpreter=not on_gpu,
-            kernels=backend.describe(device),
-        ),
-        patch=PatchSummary(
-            norms=len(patch.norms), fused_adds=len(patch.fused_adds), skipped=len(patch.skipped),
-            skipped_modules=list(patch.skipped), families=list(patch.families),
-        ),
+        environment=_environment(device),
+        patch=_patch_summary(patch),
         parity=result,
         norm_outputs=norm_agreement,
         generations=generations,
@@ -375,7 +528,7 @@ def run(config: VerifyConfig, device: torch.device,
     return dataclasses.replace(report, speed=_speed_report(figures, config.repeats))
 
 
-def write_json(report: VerifyReport, path: Path) -> None:
+def write_json(report: VerifyReport | verify_encoder.EncoderVerifyReport, path: Path) -> None:
     """Writes ``report``'s JSON document to ``path`` whole or not at all (a temporary file renamed over it), so a
     run stopped while writing leaves the previous document, never half of one."""
     temporary = path.with_name(path.name + ".tmp")
@@ -383,7 +536,7 @@ def write_json(report: VerifyReport, path: Path) -> None:
     os.replace(temporary, path)
 
 
-def verify(config: VerifyConfig, device: torch.device) -> VerifyReport:
+def verify(config: VerifyConfig, device: torch.device) -> VerifyReport | verify_encoder.EncoderVerifyReport:
     """``run``, then the report printed on stdout; returns it. With ``config.json`` the report is written there as
     JSON, also as it stands before the timing and after every timed round (``run``'s ``on_report``)."""
     path = None if config.json is None else config.json.expanduser().absolute()

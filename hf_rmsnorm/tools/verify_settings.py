@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import cli
-from .presets import DEFAULT_MODEL, PRESETS, REAL_PRESETS
+from .presets import DEFAULT_MODEL, ENCODER_PRESETS, PRESETS, REAL_PRESETS
 
 # Per-device defaults: a CPU run goes through Triton's interpreter, which costs about 50 ms per kernel launch,
 # and must stay within a few minutes on the real-weights preset (4 chat prompts; 61 norms, and each step of
@@ -32,8 +32,9 @@ class VerifyConfig:
 
     model: str = cli.option(
         f"a real-weights preset ({', '.join(REAL_PRESETS)}; default {DEFAULT_MODEL}: from the Hub, else offline "
-        f"from its pip package), a random-weight preset ({', '.join(PRESETS)}), a directory written by "
-        "save_pretrained, or a Hub id", default=DEFAULT_MODEL, metavar="NAME_OR_PATH")
+        f"from its pip package), a random-weight preset ({', '.join(PRESETS)}; encoders: "
+        f"{', '.join(ENCODER_PRESETS)}), a directory written by save_pretrained (an encoder's, when its config "
+        "names no causal-LM architecture), or a Hub id", default=DEFAULT_MODEL, metavar="NAME_OR_PATH")
     dtype: str = cli.option("model dtype (default bf16)", default="bf16", metavar="{bf16,fp16,fp32}")
     batch_size: int = cli.option(
         f"rows per batch (default {_GPU['batch_size']} on GPU, {_CPU['batch_size']} on CPU); the speed run uses "

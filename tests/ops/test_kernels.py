@@ -816,3 +816,59 @@ def test_the_interpreter_rounds_like_a_gpu_without_configure(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
                             env={**env, "TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr
+
+
+# T5's norm (and mT5's, UMT5's, LongT5's...) in every dtype pairing a model meets: its own, a bf16 stream into an
+# fp32 weight (a norm kept in fp32), an fp32 stream into a half weight.
+T5_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+             (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", T5_DTYPES)
+@pytest.mark.parametrize("n_cols", [1, 7, 127, 896, 4097, 20000])
+def test_t5_mode_matches_t5_layer_norm_and_fp64(x_dtype, w_dtype, n_cols):
+    """The "t5" mode rounds the normalised row to the weight's dtype (not the input's) before the multiply: its
+    output is ``T5LayerNorm``'s, of the same dtype, bitwise where the product rounds to half precision (the
+    reduction order cannot show through a half rounding except at a tie) and within the reduction order in fp32;
+    forward and backward are no less accurate than the module's against fp64, with the residual add fused."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    rows = _rows_for(n_cols)
+    x = _randn(rows, n_cols, dtype=x_dtype, seed=70).requires_grad_()
+    r = _randn(rows, n_cols, dtype=x_dtype, scale=3, seed=71).requires_grad_()
+    weight = (_randn(n_cols, dtype=torch.float32, scale=0.5, seed=72) + 1).to(w_dtype).requires_grad_()
+    y, s = fused_add_rms_norm(x, r, weight, EPS, mode="t5")
+    module = _hf_module(T5LayerNorm, weight.detach())
+    eager_x, eager_r = x.detach().requires_grad_(), r.detach().requires_grad_()
+    eager_s = eager_r + eager_x
+    eager = module(eager_s)
+    assert torch.equal(s, eager_s) and y.dtype == eager.dtype
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, eager, rtol=2e-6, atol=2e-6)
+    else:
+        _assert_within_a_rounding_of_eager(y, eager)
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, r, weight)]
+    truth = _fp64_reference(*inputs64)
+    assert reference.error_beyond_bound(y, eager, truth) <= 0
+
+    dy = _randn(rows, n_cols, dtype=y.dtype, seed=73)
+    dsum = _randn(rows, n_cols, dtype=x_dtype, seed=74)
+    ours = _grads((y, s), (x, r, weight), (dy, dsum))
+    hf = _grads((eager, eager_s), (eager_x, eager_r, module.weight), (dy, dsum))
+    exact = _grads((truth, inputs64[1] + inputs64[0]), inputs64, (dy.double(), dsum.double()))
+    _assert_no_less_accurate(ours, hf, exact)
+
+
+@pytest.mark.parametrize("n_cols", [96, 20000])
+def test_t5_mode_on_strided_rows(n_cols):
+    """A strided bf16 view into a bf16 T5 weight computes what its contiguous copy computes, forward and backward."""
+    base = _randn(4, 2 * n_cols, dtype=torch.bfloat16, seed=75)
+    x = base[:, ::2].requires_grad_()
+    weight = (_randn(n_cols, scale=0.5, seed=76) + 1).to(torch.bfloat16).requires_grad_()
+    y = rms_norm(x, weight, EPS, mode="t5")
+    x_copy = x.detach().contiguous().requires_grad_()
+    assert torch.equal(y, rms_norm(x_copy, weight, EPS, mode="t5"))
+    dy = _randn(4, n_cols, dtype=torch.bfloat16, seed=77)
+    for a, b in zip(_grads(y, (x, weight), (dy,)), _grads(rms_norm(x_copy, weight, EPS, mode="t5"), (x_copy, weight),
+                                                         (dy,))):
+        assert torch.equal(a, b)

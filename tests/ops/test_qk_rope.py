@@ -415,6 +415,7 @@ def _valid():
     (lambda a: {**a, "q_weight": a["q_weight"][:32]}, r"q_weight has shape \(32,\); q_weight must be 1-D of head_dim"),
     (lambda a: {**a, "per_head": False}, r"1-D of heads \* head_dim .*: 256"),
     (lambda a: {**a, "mode": "layernorm"}, "centres the rows"),
+    (lambda a: {**a, "mode": "t5"}, "rounds to the weight's dtype"),
     (lambda a: {**a, "mode": "olmo"}, "mode 'olmo' is unknown; qk_norm_rope takes the RMSNorm modes: llama, gemma"),
     (lambda a: {**a, "eps": -1.0}, "q_eps is -1.0"),
     (lambda a: {**a, "cos": a["cos"].to("meta")}, "cos is on meta but q is on"),

@@ -327,18 +327,22 @@ def _assert_untouched(model, snapshot):
     assert not any(m._forward_pre_hooks for m in model.modules())
 
 
-def test_bert_is_refused_and_left_untouched():
+def test_bert_runs_exact_layernorms_but_is_not_converted():
     from transformers import BertConfig, BertLMHeadModel
 
     model = BertLMHeadModel(BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       intermediate_size=64, is_decoder=True))
+                                       intermediate_size=64, is_decoder=True)).eval()
     before = _snapshot(model)
-    with pytest.raises(UnsupportedModelError, match=r"BertLMHeadModel .*LayerNorm.*post-LN.*family_names") as error:
-        patch_model(model)
-    assert not isinstance(error.value, UnconvertibleModelError) and isinstance(error.value, ValueError)
-    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*post-LN.*family_names"):
+    with pytest.raises(UnconvertibleModelError, match=r"BertLMHeadModel .*not a pre-LN decoder.*post-LN.*"
+                                                      r"without layernorm='rmsnorm'"):
         patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
+    x = ids()
+    expected = logits(model, x)
+    every_layernorm = layernorms(model)
+    report = patch_model(model)
+    assert set(report.norms) == set(every_layernorm) and report.families == ["LayerNorm"]
+    assert err(logits(model, x), expected) <= 1e-5 * expected.abs().max().item()
 
 
 def test_post_ln_opt_runs_fused_layernorms_but_is_not_converted():
@@ -394,21 +398,25 @@ def test_a_failure_midway_restores_weights_classes_and_hooks(failing, monkeypatc
     _assert_untouched(model, before)
 
 
-def test_qk_layernorms_are_left_alone_and_report_reads_well():
+def test_qk_layernorms_run_exactly_and_stay_so_when_the_stream_is_converted():
     model = tiny("phi", qk_layernorm=True)
+    x = ids()
+    expected = logits(model, x)
     report = patch_model(model)
-    skipped = dict(report.skipped)
-    assert type(model.model.layers[0].self_attn.q_layernorm) is nn.LayerNorm
-    assert "does not read the residual stream" in skipped["model.layers.0.self_attn.q_layernorm"]
-    assert str(report).splitlines()[0] == "hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped"
+    assert "model.layers.0.self_attn.q_layernorm" in report.norms and not report.skipped
+    assert str(report).splitlines()[0] == "hf_rmsnorm: 7 norms patched (Phi), 2 residual adds fused, 0 skipped"
+    assert err(logits(model, x), expected) <= 1e-5 * expected.abs().max().item()
     unpatch_model(model)
-    text = str(patch_model(model, layernorm="rmsnorm"))
-    assert text.splitlines()[0] == ("hf_rmsnorm: 3 norms patched (Phi), 2 residual adds fused, 4 skipped; "
+    report = patch_model(model, layernorm="rmsnorm")
+    text = str(report)
+    # The q/k norms read no residual stream: they stay exact LayerNorms (LN(Ch) = LN(h) is not needed of them).
+    assert "model.layers.0.self_attn.q_layernorm" not in report.converted
+    assert text.splitlines()[0] == ("hf_rmsnorm: 7 norms patched (Phi), 2 residual adds fused, 0 skipped; "
                                     "3 LayerNorms converted to RMSNorm")
     assert ("  parameters centred (once, by the conversion):\n    model.layers.0.self_attn.dense.weight\n"
             "    model.layers.0.self_attn.dense.bias\n") in text
     assert "  inputs centred on every forward (by the conversion):\n    model.layers.0\n" in text
-
+    assert err(logits(model, x), expected) <= 1e-4 * expected.abs().max().item()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -182,3 +182,31 @@ def test_instances_with_other_settings_are_probed_apart():
     report = patch_model(_trained_like(model))
     assert report.norms == ["plain"] and type(model["plain"])._hf_rmsnorm_kind.mode == "gemma"
     assert [name for name, _ in report.skipped] == ["grouped"] and "match none" in report.skipped[0][1]
+
+
+# Norm classes that cast the normalised row to the weight's dtype before the multiply (T5's body), by module.
+T5_STYLE_NORMS = [
+    ("t5", "T5LayerNorm"), ("mt5", "MT5LayerNorm"), ("umt5", "UMT5LayerNorm"), ("longt5", "LongT5LayerNorm"),
+    ("switch_transformers", "SwitchTransformersLayerNorm"), ("pop2piano", "Pop2PianoLayerNorm"),
+    ("udop", "UdopLayerNorm"), ("pix2struct", "Pix2StructLayerNorm"), ("kosmos2_5", "Kosmos2_5LayerNorm"),
+    ("idefics", "IdeficsRMSNorm"),
+]
+
+
+@pytest.mark.parametrize("module, name", T5_STYLE_NORMS, ids=[name for _, name in T5_STYLE_NORMS])
+def test_t5_style_norms_are_recognised_in_the_t5_mode(module, name):
+    """Each T5-style class, with a trained-like weight, is recognised in the t5 mode in every weight dtype and in a
+    bf16 model that keeps the weight in fp32 (its output then fp32, the row unrounded): the mode's reference
+    returns the class's output bit for bit on the probe's rows in each input dtype such a model feeds it."""
+    cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name, None)
+    if cls is None:
+        pytest.skip(f"{name} is not in this transformers release")
+    for weight_dtype, model_dtype in [(d, d) for d in (torch.float32, *HALF)] + [(torch.float32, torch.bfloat16)]:
+        norm = _trained_like(cls(WIDTH)).to(weight_dtype)
+        verdict = recognition.NormRecogniser().verdict(norm, model_dtype)
+        assert verdict.kind is not None and verdict.kind.mode == "t5", (weight_dtype, model_dtype, verdict.reason)
+        for input_dtype in dict.fromkeys((weight_dtype, model_dtype, torch.float32)):
+            x = recognition.probe_rows(WIDTH).to(input_dtype)
+            expected = cls.forward(norm, x)
+            got = reference.forward_reference(x, None, norm.weight, None, norm.variance_epsilon, "t5")[0]
+            assert got.dtype == expected.dtype and torch.equal(got, expected), (weight_dtype, input_dtype)

@@ -196,6 +196,21 @@ def test_cli_measures_speed_on_gpu(tmp_path):
     assert speed["rounds"] == 2 and speed["partial"] is False
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-t5-encoder"])
+def test_cli_measures_the_embedding_workload_on_gpu(preset, tmp_path):
+    """An encoder's speed: tokens/s of the 32 x 128-token forward in the three interleaved states."""
+    report_path = tmp_path / "report.json"
+    result = run_verify("--model", preset, "--device", "cuda", "--repeats", "2", "--json", str(report_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(report_path.read_text())
+    speed = report["speed"]
+    assert report["kind"] == "encoder" and speed["rounds"] == 2 and speed["partial"] is False
+    for state in ("unpatched", "patched", "norm_free"):
+        assert speed[f"{state}_tokens_per_s"] > 0
+    assert speed["speedup"] > 0 and "tokens/s" in result.stdout
+
+
 # --- presets and loading ----------------------------------------------------------------------------------
 
 
