@@ -24,7 +24,7 @@ from . import derived_source, qk_runtime
 from .derived_syntax import located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_rope
-from .qk_sites import VIEW, QKSite, SitePlan, module_calls, qk_site
+from .qk_sites import QKSite, SitePlan, module_calls, qk_site
 
 # The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
 _INPUTS = ("_hf_rmsnorm_q", "_hf_rmsnorm_k")
@@ -115,6 +115,9 @@ def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., 
 
 
 def _rewrite(plan: SitePlan, me: str) -> None:
+    """Each norm statement -> ``_hf_rmsnorm_<q|k> = <its argument>``, each ``Q = OPS(Q)`` -> ``pass``, the RoPE's
+    call -> ``norm_rope(self, self.q_norm, self.k_norm, F, <inputs>, C, S, <view args>)`` (``qk_runtime``), the
+    inputs deleted after it; every new node located at the code it stands for."""
     statements = plan.statements
     rope_statement = statements[plan.rope_index]
     call = rope_statement.value
@@ -125,7 +128,7 @@ def _rewrite(plan: SitePlan, me: str) -> None:
                                           norm_statement)
         for j in chain.dropped:
             statements[j] = located(ast.Pass(), statements[j])
-        view = chain.view.args if chain.view is not None and VIEW in chain.ops else []
+        view = chain.view.args if chain.view is not None else []
         views.append(located(ast.Tuple(list(view), ast.Load()), call))
     norm = {q_or_k: _attribute(me, path) for q_or_k, path in (("q", plan.site.q_norm), ("k", plan.site.k_norm))}
     rope_statement.value = located(ast.Call(

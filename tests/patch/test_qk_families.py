@@ -63,7 +63,7 @@ def _logits(model):
         return model(input_ids()).logits
 
 
-@pytest.mark.parametrize("name", MAIN_QK)
+@pytest.mark.parametrize("name", QK_CASES)
 def test_parity_with_the_unpatched_model(name, monkeypatch):
     """fp32 logits within 1e-5 of the largest; bf16 no less accurate than eager against fp64; unpatching gives the
     eager logits back; the fused launch runs in both dtypes."""
