@@ -4,8 +4,9 @@ the adds.
 
 * ``adds_next_to_norms``: in one forward of the unpatched model, the residual adds next to a given norm. A tensor
   is on the residual stream once a norm or a layer (a module with one of the norms as a direct child) has read it
-  as an input as wide as the stream (a post-LN sublayer reads it as its second), once it is the result of a
-  residual add, or of a product or dtype conversion of a tensor on it
+  as an input as wide as the stream (a post-LN sublayer reads it as its second), once a norm returns it as wide as
+  the stream (a post-LN layer's stream is its normed sum), once it is the result of a residual add, or of a product
+  or dtype conversion of a tensor on it
   (a scaled residual, one kept in fp32). A residual add is an add (``a + b``, ``torch.add``,
   ``+=``) of two tensors of one shape, as wide as the stream, one of them already on it (a branch sum inside a
   mixture of experts, an embedding sum, a rotary embedding are not); it sits next to a norm when a norm reads its
@@ -68,7 +69,9 @@ class _Census(TorchFunctionMode):
         self.norm_inputs.add(id(tensor))
 
     def made_by_norm(self, tensor: object) -> None:
+        """A norm's output: as wide as the stream, it is the stream of a post-LN layer (its normed sum)."""
         if isinstance(tensor, Tensor):
+            self.read_by_layer(tensor)
             self.kept.append(tensor)
             self.norm_outputs.add(id(tensor))
 

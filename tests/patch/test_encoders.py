@@ -78,3 +78,19 @@ def test_training_gradients_are_eagers(model_type):
         assert (got[name] - grad).abs().max().item() <= 1e-5 * scale, name
     unpatch_model(model)
     assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+
+
+def test_post_ln_sublayers_draw_the_same_dropout_masks_in_training():
+    """BERT's ``LayerNorm(dropout(dense(h)) + input)``: the dropout is part of the add's operand, evaluated before
+    the fused add as before the plain one, so training with active dropout draws the same masks in the same order."""
+    model = build("bert").train()
+    assert model.config.hidden_dropout_prob > 0
+    reference = copy.deepcopy(model)
+    ids = coverage._inputs(model, coverage.ENCODER)["input_ids"]
+    report = patch_model(model)
+    assert any("attention.output: residual add" in add for add in report.fused_adds)
+    outputs = []
+    for m in (reference, model):
+        torch.manual_seed(7)
+        outputs.append(m(input_ids=ids)[0])
+    assert (outputs[0] - outputs[1]).abs().max().item() <= 1e-5 * outputs[0].abs().max().item()
