@@ -1,8 +1,11 @@
-"""Which of the installed transformers' causal LMs ``patch_model`` covers, and with what parity: behind
-``scripts/coverage.py``.
+"""Which of the installed transformers' causal LMs, encoders and encoder-decoders ``patch_model`` covers, and with
+what parity: behind ``scripts/coverage.py``.
 
-For each model type with a causal-LM class, a tiny random model is built from the type's default config, patched,
-and checked on one batch (a forward without cache). The tiny config is the default's fields with the ``TINY`` sizes,
+Two tables. For each model type with a causal-LM class (``CAUSAL_LM``), a tiny random model is built from the
+type's default config, patched, and checked on one batch (a forward without cache), on its logits. For each
+encoder and encoder-decoder type (``ENCODER``: every masked-LM and seq2seq type, and ``NAMED_ENCODER_TYPES``), the
+same with its base model, on its first output (the last hidden state), given token ids, images or audio features
+as its main input takes (``_inputs``). The tiny config is the default's fields with the ``TINY`` sizes,
 cut to one layer of each kind the full model has (per-layer lists and overrides with it), made again through the
 config class, so that its ``__post_init__`` derives the sizes that depend on others and its validation runs; a few
 model types whose default config is unusable as shipped get ``DEFAULT_OVERRIDES`` / ``OVERRIDES`` (data, each with
@@ -20,8 +23,9 @@ broke: a bug), ``not run`` (built, but its own eager model failed on the check's
 time: the reason), or ``not built`` (no tiny model could be made from its config here: the reason). The page's
 headline is over every model type that uses an RMSNorm, built or not: one that could not be built counts when its
 modeling code names an RMSNorm class (``modeling_has_rmsnorm``); the model types that normalise with a LayerNorm
-and no RMSNorm are counted apart (``norm_type``). The kernels run wherever the process set them up (Triton's
-interpreter on CPU).
+and no RMSNorm are counted apart (``norm_type``). The encoder table's headline (``encoder_headline``) is over the
+types ``NAMED_ENCODER_TYPES`` lists, then every type of that table by norm type. The kernels run wherever the
+process set them up (Triton's interpreter on CPU).
 """
 
 from __future__ import annotations
