@@ -170,8 +170,11 @@ class Coverage:
 
     @property
     def fuses_every_add(self) -> bool:
-        """Patched with parity, with every add next to a patched norm fused (none counts)."""
-        return self.verdict in ("fused", "norms only") and self.adds_fused_in_forward == self.adds_next_to_norms
+        """Patched with parity, with every add next to a patched norm fused (none counts): at least as many adds
+        fused as counted, none of those counted still run apart (an embedding sum, which the census does not count
+        as a residual add, may be fused besides)."""
+        return (self.verdict in ("fused", "norms only") and self.adds_fused_in_forward is not None
+                and self.adds_fused_in_forward >= self.adds_next_to_norms and not self.unfused_add_sites)
 
     def fuses_fewer_than_eager(self) -> list[str]:
         """The compiled and checkpointed forwards that fuse fewer adds than the eager one (or were not measured)."""
@@ -381,10 +384,12 @@ def _inputs(model, table: str) -> Tensor | dict[str, Tensor]:
     raise ValueError(f"no inputs for a main input {model.main_input_name!r}")
 
 
-def _width(model) -> int:
-    """The residual stream's width: the token embeddings', else the config's hidden size."""
-    width = getattr(model.get_input_embeddings(), "embedding_dim", None)
-    return width or getattr(model.config, "hidden_size", None) or model.config.d_model
+def _width(model, table: str) -> int:
+    """The residual stream's width: a causal LM's token embeddings'; an encoder's hidden size (ALBERT's, ELECTRA's
+    and RemBERT's embeddings are narrower or wider, projected into the stream), else its embeddings'."""
+    embedding = getattr(model.get_input_embeddings(), "embedding_dim", None)
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "d_model", None)
+    return (embedding or hidden) if table == CAUSAL_LM else (hidden or embedding)
 
 
 def check_model_type(model_type: str, class_name: str, limit_s: float, table: str = CAUSAL_LM) -> Coverage:
@@ -423,7 +428,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float, table: st
             bf16 = copy.deepcopy(model).to(torch.bfloat16)
             eager16 = _logits(bf16, ids)
             norms = {m for name, m in model.named_modules() if name in set(planned.norms)}
-            width = _width(model)
+            width = _width(model, table)
             next_to_norms = residual_census.adds_next_to_norms(model, functools.partial(_logits, ids=ids), norms, width)
             result.adds_next_to_norms = len(next_to_norms)
         except _Timeout:
@@ -442,7 +447,8 @@ def check_model_type(model_type: str, class_name: str, limit_s: float, table: st
             _count_compiled_and_checkpointed(result, model, ids)
         else:  # no fused class: no forward can run an adding kernel
             result.adds_fused_compiled = result.adds_fused_checkpointed = 0
-        if result.adds_fused_in_forward < result.adds_next_to_norms:  # sites are lines: only where some are apart
+        # Sites are lines: only where some may be apart (more fused than counted: an embedding sum fused too).
+        if result.adds_fused_in_forward != result.adds_next_to_norms:
             result.unfused_add_sites = residual_census.unfused_sites(
                 model, functools.partial(_logits, ids=ids), next_to_norms, width)
         patch_model(bf16)
