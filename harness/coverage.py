@@ -1,8 +1,11 @@
-"""Which of the installed transformers' causal LMs ``patch_model`` covers, and with what parity: behind
-``scripts/coverage.py``.
+"""Which of the installed transformers' causal LMs, encoders and encoder-decoders ``patch_model`` covers, and with
+what parity: behind ``scripts/coverage.py``.
 
-For each model type with a causal-LM class, a tiny random model is built from the type's default config, patched,
-and checked on one batch (a forward without cache). The tiny config is the default's fields with the ``TINY`` sizes,
+Two tables. For each model type with a causal-LM class (``CAUSAL_LM``), a tiny random model is built from the
+type's default config, patched, and checked on one batch (a forward without cache), on its logits. For each
+encoder and encoder-decoder type (``ENCODER``: every masked-LM and seq2seq type, and ``NAMED_ENCODER_TYPES``), the
+same with its base model, on its first output (the last hidden state), given token ids, images or audio features
+as its main input takes (``_inputs``). The tiny config is the default's fields with the ``TINY`` sizes,
 cut to one layer of each kind the full model has (per-layer lists and overrides with it), made again through the
 config class, so that its ``__post_init__`` derives the sizes that depend on others and its validation runs; a few
 model types whose default config is unusable as shipped get ``DEFAULT_OVERRIDES`` / ``OVERRIDES`` (data, each with
@@ -20,8 +23,9 @@ broke: a bug), ``not run`` (built, but its own eager model failed on the check's
 time: the reason), or ``not built`` (no tiny model could be made from its config here: the reason). The page's
 headline is over every model type that uses an RMSNorm, built or not: one that could not be built counts when its
 modeling code names an RMSNorm class (``modeling_has_rmsnorm``); the model types that normalise with a LayerNorm
-and no RMSNorm are counted apart (``norm_type``). The kernels run wherever the process set them up (Triton's
-interpreter on CPU).
+and no RMSNorm are counted apart (``norm_type``). The encoder table's headline (``encoder_headline``) is over the
+types ``NAMED_ENCODER_TYPES`` lists, then every type of that table by norm type. The kernels run wherever the
+process set them up (Triton's interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import inspect
 import json
 import re
 import signal
@@ -39,6 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from hf_rmsnorm.patch import UnsupportedModelError, check_model, patch_model
 from hf_rmsnorm.patch.classify import Role, norm_role
@@ -101,6 +107,21 @@ OVERRIDES: dict[str, dict] = {
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
                   attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=8),
 }
+# The encoder and encoder-decoder types the page's second table checks besides every masked-LM and seq2seq type:
+# those issue 30 names (the vision and text towers of CLIP and SigLIP are types of their own). T5 and its relatives
+# normalise with an RMSNorm of their own casting order, and are counted with the RMSNorm types of this table.
+NAMED_ENCODER_TYPES = (
+    "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
+    "modernbert", "camembert", "vit", "clip_vision_model", "clip_text_model", "siglip_vision_model",
+    "siglip_text_model", "whisper", "bart", "mbart", "marian", "pegasus",
+)
+# The base-model classes of the towers that no auto mapping names.
+TOWER_CLASSES = {"siglip_text_model": "SiglipTextModel"}
+# Fields set on an encoder type's shrunk config: images and audio as small as the sizes TINY sets.
+ENCODER_OVERRIDES: dict[str, dict] = {
+    **{t: dict(image_size=32, patch_size=8) for t in ("vit", "clip_vision_model", "siglip_vision_model")},
+    "whisper": dict(max_source_positions=16, num_mel_bins=16),  # its encoder reads 2 x 16 frames of 16 bins
+}
 # The largest model built: a type whose sizes the shrinking misses stays small enough for a CPU check.
 MAX_PARAMETERS = 20_000_000
 FP32_TOLERANCE = 1e-4
@@ -111,6 +132,7 @@ BATCH, SEQ = 2, 8
 # Spread of a trained checkpoint's norm parameters around their initial values (``randomise_norms``).
 TRAINED_STD = 0.3
 VERDICTS = ("fused", "norms only", "skipped", "failed", "not run", "not built")
+CAUSAL_LM, ENCODER = "causal LM", "encoder"
 NORM_TYPES = ("RMSNorm", "LayerNorm", "neither")
 
 
@@ -122,6 +144,9 @@ class Coverage:
     model_class: str
     verdict: str
     reason: str = ""
+    # Which table: ``CAUSAL_LM`` (logits of the causal-LM class) or ``ENCODER`` (the base model's first output,
+    # its last hidden state, for the encoder and encoder-decoder types).
+    table: str = "causal LM"
     norms: int = 0
     fused_adds: int = 0
     skipped_modules: int = 0
@@ -150,8 +175,11 @@ class Coverage:
 
     @property
     def fuses_every_add(self) -> bool:
-        """Patched with parity, with every add next to a patched norm fused (none counts)."""
-        return self.verdict in ("fused", "norms only") and self.adds_fused_in_forward == self.adds_next_to_norms
+        """Patched with parity, with every add next to a patched norm fused (none counts): at least as many adds
+        fused as counted, none of those counted still run apart (an embedding sum, which the census does not count
+        as a residual add, may be fused besides)."""
+        return (self.verdict in ("fused", "norms only") and self.adds_fused_in_forward is not None
+                and self.adds_fused_in_forward >= self.adds_next_to_norms and not self.unfused_add_sites)
 
     def fuses_fewer_than_eager(self) -> list[str]:
         """The compiled and checkpointed forwards that fuse fewer adds than the eager one (or were not measured)."""
@@ -266,26 +294,35 @@ def _fields(config) -> dict:
             else values[name] for name in values if name in names}
 
 
-def _tiny_config(model_type: str):
+def _tiny_config(model_type: str, table: str = CAUSAL_LM):
     """The default config of ``model_type`` shrunk, made again from its fields, so that its own ``__post_init__``
     derives the sizes that depend on others and its validation runs."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type, **DEFAULT_OVERRIDES.get(model_type, {}))
-    return type(default).from_dict(_merged(_shrunk(_fields(default)), OVERRIDES.get(model_type, {})))
+    overrides = OVERRIDES.get(model_type, {}) if table == CAUSAL_LM else ENCODER_OVERRIDES.get(model_type, {})
+    return type(default).from_dict(_merged(_shrunk(_fields(default)), overrides))
 
 
-def _build(model_type: str):
-    from transformers import AutoModelForCausalLM
+def _model_class(table: str, class_name: str):
+    """What builds a table's model from a config: the auto causal LM, or the base model's class ``class_name`` (any
+    head is the base model plus a head; SigLIP's text tower has no auto mapping of its own)."""
+    import transformers
 
-    config = _tiny_config(model_type)
+    return transformers.AutoModelForCausalLM.from_config if table == CAUSAL_LM else getattr(
+        transformers, class_name)._from_config
+
+
+def _build(model_type: str, table: str = CAUSAL_LM, class_name: str = ""):
+    config = _tiny_config(model_type, table)
+    from_config = _model_class(table, class_name)
     with torch.device("meta"):
-        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        size = sum(p.numel() for p in from_config(config).parameters())
     if size > MAX_PARAMETERS:
         raise ValueError(f"{size / 1e6:.0f}M parameters after shrinking its config")
     torch.manual_seed(0)
     # Eager experts: the grouped-GEMM ones of MoE models have no fp64 kernel for the fp64 reference.
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = from_config(config, experts_implementation="eager")
     randomise_norms(model)
     return model.eval()
 
@@ -318,14 +355,53 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 
 def _logits(model, ids) -> torch.Tensor:
+    """A causal LM's logits, or an encoder's first output (its last hidden state; a decoder's, of an
+    encoder-decoder), for the inputs ``ids`` (``_inputs``: token ids, or a dict of the model's inputs, whose floating
+    ones are cast to the model's dtype)."""
     with torch.no_grad():  # no cache: one forward needs none, and some hybrid caches cannot be asked their length
-        return model(ids, use_cache=False).logits.double()
+        if isinstance(ids, Tensor):
+            return model(ids, use_cache=False).logits.double()
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ids.items()}
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            kwargs["use_cache"] = False
+        return model(**kwargs)[0].double()
 
 
-def check_model_type(model_type: str, class_name: str, limit_s: float) -> Coverage:
-    """Builds, patches and checks one model type (module docstring)."""
+def _inputs(model, table: str) -> Tensor | dict[str, Tensor]:
+    """One batch for ``model``: token ids for a causal LM; for an encoder, what its main input is (token ids, images
+    or audio features of its config's sizes), and the same ids for the decoder of an encoder-decoder."""
+    gen = torch.Generator().manual_seed(1)
+    config = model.config
+    if table == CAUSAL_LM or model.main_input_name == "input_ids":
+        vocab = getattr(model.get_input_embeddings(), "num_embeddings", None) or config.vocab_size
+        ids = torch.randint(3, min(TINY["vocab_size"], vocab), (BATCH, SEQ), generator=gen)
+        if table == CAUSAL_LM:
+            return ids
+        return {"input_ids": ids, **({"decoder_input_ids": ids} if config.is_encoder_decoder else {})}
+    if model.main_input_name == "pixel_values":
+        shape = (BATCH, config.num_channels, config.image_size, config.image_size)
+        return {"pixel_values": torch.randn(shape, generator=gen)}
+    if model.main_input_name == "input_features":
+        features = torch.randn((BATCH, config.num_mel_bins, 2 * config.max_source_positions), generator=gen)
+        decoder = torch.randint(3, TINY["vocab_size"], (BATCH, SEQ), generator=gen)
+        return {"input_features": features, "decoder_input_ids": decoder}
+    raise ValueError(f"no inputs for a main input {model.main_input_name!r}")
+
+
+def _width(model, table: str) -> int:
+    """The residual stream's width: a causal LM's token embeddings'; an encoder's hidden size (ALBERT's, ELECTRA's
+    and RemBERT's embeddings are narrower or wider, projected into the stream), else its embeddings'."""
+    embedding = getattr(model.get_input_embeddings(), "embedding_dim", None)
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "d_model", None)
+    return (embedding or hidden) if table == CAUSAL_LM else (hidden or embedding)
+
+
+def check_model_type(model_type: str, class_name: str, limit_s: float, table: str = CAUSAL_LM) -> Coverage:
+    """Builds, patches and checks one model type (module docstring) for ``table``."""
     start = time.monotonic()
-    result = Coverage(model_type, class_name, "not built", rmsnorm_in_code=modeling_has_rmsnorm(model_type, class_name))
+    result = Coverage(model_type, class_name, "not built", table=table,
+                      rmsnorm_in_code=modeling_has_rmsnorm(model_type, class_name))
     stage = "building it"
 
     def on_alarm(*_):
@@ -335,7 +411,7 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
     signal.alarm(max(1, int(limit_s)))
     try:
         try:
-            model = _build(model_type)
+            model = _build(model_type, table, class_name)
         except _Timeout:
             raise
         except Exception as exc:  # the config or the model itself: recorded, the sweep goes on
@@ -351,14 +427,13 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
             return result
         stage = "running its eager model"
         try:
-            ids = torch.randint(3, min(TINY["vocab_size"], model.get_input_embeddings().num_embeddings), (BATCH, SEQ),
-                                generator=torch.Generator().manual_seed(1))
+            ids = _inputs(model, table)
             truth = _logits(copy.deepcopy(model).double(), ids)
             eager32 = _logits(model, ids)
             bf16 = copy.deepcopy(model).to(torch.bfloat16)
             eager16 = _logits(bf16, ids)
             norms = {m for name, m in model.named_modules() if name in set(planned.norms)}
-            width = model.get_input_embeddings().embedding_dim
+            width = _width(model, table)
             next_to_norms = residual_census.adds_next_to_norms(model, functools.partial(_logits, ids=ids), norms, width)
             result.adds_next_to_norms = len(next_to_norms)
         except _Timeout:
@@ -380,7 +455,8 @@ def check_model_type(model_type: str, class_name: str, limit_s: float) -> Covera
             _count_compiled_and_checkpointed(result, model, ids)
         else:  # no fused class: no forward can run an adding kernel
             result.adds_fused_compiled = result.adds_fused_checkpointed = 0
-        if result.adds_fused_in_forward < result.adds_next_to_norms:  # sites are lines: only where some are apart
+        # Sites are lines: only where some may be apart (more fused than counted: an embedding sum fused too).
+        if result.adds_fused_in_forward != result.adds_next_to_norms:
             result.unfused_add_sites = residual_census.unfused_sites(
                 model, functools.partial(_logits, ids=ids), next_to_norms, width)
         patch_model(bf16)
@@ -421,7 +497,7 @@ def _count_compiled_and_checkpointed(result: Coverage, model, ids) -> None:
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 renamed the method
             checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
         result.adds_fused_checkpointed = residual_census.fused_adds(
-            checkpointed, lambda m: m(ids, use_cache=False), grad=True)
+            checkpointed, lambda m: m(**ids) if isinstance(ids, dict) else m(ids, use_cache=False), grad=True)
     except _Timeout:
         raise
     except Exception as exc:  # no checkpointing, or its training forward fails here
@@ -526,6 +602,18 @@ def uses_rmsnorm(result: Coverage) -> bool:
     return result.uses_rmsnorm if result.uses_rmsnorm is not None else bool(result.rmsnorm_in_code)
 
 
+def encoder_types() -> dict[str, str]:
+    """Model type -> base-model class name, for the encoder and encoder-decoder types of the installed transformers:
+    every masked-LM and seq2seq type, and ``NAMED_ENCODER_TYPES``."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES,
+    )
+
+    names = {**MODEL_MAPPING_NAMES, **TOWER_CLASSES}
+    wanted = {*MODEL_FOR_MASKED_LM_MAPPING_NAMES, *MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, *NAMED_ENCODER_TYPES}
+    return {t: names[t] for t in sorted(wanted) if isinstance(names.get(t), str)}
+
+
 def causal_lm_types() -> dict[str, str]:
     """Model type -> causal-LM class name, for every type of the installed transformers."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -543,18 +631,37 @@ def norm_type(result: Coverage) -> str:
 
 
 def render(results: list[Coverage], transformers_version: str) -> str:
-    """The Markdown page: counts per verdict and norm type, the headline, then one row per model type."""
-    counts = {(v, t): sum(r.verdict == v and norm_type(r) == t for r in results) for v in VERDICTS for t in NORM_TYPES}
+    """The Markdown page: for the causal LMs, then for the encoders, counts per verdict and norm type, the headline,
+    then one row per model type."""
+    causal = [r for r in results if r.table == CAUSAL_LM]
+    encoders = [r for r in results if r.table == ENCODER]
     lines = [
         f"# Coverage of transformers {transformers_version}'s causal LMs", "",
         "Written by `python scripts/coverage.py` (see its `--help` and `harness/coverage.py` for the "
         "method). Each model type is a tiny random model of transformers' own classes, its norms given "
         "trained-like weights and biases, checked in fp32 against its eager self and in bf16 against an fp64 "
         "copy.", "",
+        *_table(causal, headline(causal)),
+    ]
+    if encoders:
+        lines += [
+            "", "## Encoders and encoder-decoders", "",
+            "Every masked-LM and seq2seq model type, and the encoder towers issue 30 names, as its base model "
+            "(`AutoModel`: any task head is the base model plus a head), checked in the same way on the base "
+            "model's first output (the last hidden state: the decoder's, for an encoder-decoder) for one batch of "
+            "token ids, images or audio features.", "",
+            *_table(encoders, encoder_headline(encoders)),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(results: list[Coverage], summary: str) -> list[str]:
+    counts = {(v, t): sum(r.verdict == v and norm_type(r) == t for r in results) for v in VERDICTS for t in NORM_TYPES}
+    lines = [
         f"| verdict | {' | '.join(f'{t} types' for t in NORM_TYPES)} | all |", "|---|---|---|---|---|",
         *(f"| {v} | {' | '.join(str(counts[v, t]) for t in NORM_TYPES)} | "
           f"{sum(counts[v, t] for t in NORM_TYPES)} |" for v in VERDICTS), "",
-        headline(results), "",
+        summary, "",
         "| model type | class | verdict | norm type | norms | fused adds | adds next to norms: fused in eager, "
         "compiled, checkpointed / all | skipped modules | fp32 max err | bf16 mean err / eager | reason |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -569,7 +676,7 @@ def render(results: list[Coverage], transformers_version: str) -> str:
             + f" / {r.adds_next_to_norms}")
         lines.append(f"| {r.model_type} | {r.model_class} | {r.verdict} | {_norm_type_cell(r)} | {r.norms} | "
                      f"{r.fused_adds} | {census} | {r.skipped_modules} | {fp32} | {bf16} | {reason} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _sites(sites: list[str]) -> str:
@@ -626,7 +733,7 @@ def headline(results: list[Coverage]) -> str:
             f"not run: the norm type column). Counted apart: {layernorm_ok} of the {len(layernorm)} model types "
             "that normalise with a LayerNorm and no RMSNorm are patched with parity; "
             f"{len(neither)} model types use neither ({unknown} of them not built, their modeling code naming no "
-            "RMSNorm).\n\n" + fusion + runs + "\n\n" + qk_paragraph(ok))
+            "RMSNorm).\n\n" + fusion + runs + "\n\n" + layernorm_fusion(results) + "\n\n" + qk_paragraph(ok))
 
 
 def qk_paragraph(results: list[Coverage]) -> str:
@@ -645,6 +752,42 @@ def qk_paragraph(results: list[Coverage]) -> str:
             f"{'; '.join(apart) or 'none'}.")
 
 
+
+
+def _patched(results: list[Coverage]) -> list[Coverage]:
+    return [r for r in results if r.verdict in ("fused", "norms only")]
+
+
+def layernorm_fusion(results: list[Coverage]) -> str:
+    """How many of the LayerNorm types patched with parity fuse every add next to a patched norm."""
+    layernorm = [r for r in _patched(results) if norm_type(r) == "LayerNorm"]
+    full = [r for r in layernorm if r.fuses_every_add]
+    partly = [f"{r.model_type} ({r.adds_fused_in_forward} of {r.adds_next_to_norms})" for r in layernorm
+              if not r.fuses_every_add]
+    return (f"**{len(full)} of the {len(layernorm)} LayerNorm model types patched with parity fuse every add next to "
+            f"a patched norm ({100 * len(full) / max(len(layernorm), 1):.0f}%)**; the others, with the adds fused of "
+            f"those next to a norm: {', '.join(partly) or 'none'}.")
+
+
+def encoder_headline(results: list[Coverage]) -> str:
+    """The encoder table's headline: of the types issue 30 names, how many are patched with parity and fuse every
+    add next to a patched norm; then of every type, by norm type; failures named."""
+    named = [r for r in results if r.model_type in NAMED_ENCODER_TYPES]
+    named_ok = _patched(named)
+    named_full = [r for r in named_ok if r.fuses_every_add]
+    missing = [f"{r.model_type} ({r.verdict}{', adds apart' if r in named_ok else ''})" for r in named
+               if r not in named_full]
+    by_type = "; ".join(
+        f"{len(_patched(kind))} of the {len(kind)} {t} types patched with parity"
+        for t in NORM_TYPES if (kind := [r for r in results if norm_type(r) == t]))
+    failed = [r.model_type for r in results if r.verdict == "failed"]
+    return (f"**{len(named_ok)} of the {len(named)} encoder types issue 30 names are patched with parity "
+            f"({100 * len(named_ok) / max(len(named), 1):.0f}%), {len(named_full)} of them fusing every add next to "
+            f"a patched norm ({100 * len(named_full) / max(len(named), 1):.0f}%)**; the others: "
+            f"{', '.join(missing) or 'none'}. Of every type in this table: {by_type}; "
+            f"{len(failed)} parity failures ({', '.join(failed) or 'none'}).\n\n" + layernorm_fusion(results))
+
+
 def read(markdown: Path) -> list[Coverage]:
     """The results an earlier run wrote beside ``markdown`` (none if there is no such file)."""
     path = markdown.with_suffix(".json")
@@ -654,10 +797,11 @@ def read(markdown: Path) -> list[Coverage]:
 
 
 def merged(earlier: list[Coverage], new: list[Coverage]) -> list[Coverage]:
-    """``earlier`` with the model types of ``new`` replaced or added, sorted by model type (runs in chunks)."""
-    by_type = {r.model_type: r for r in earlier}
-    by_type.update({r.model_type: r for r in new})
-    return [by_type[t] for t in sorted(by_type)]
+    """``earlier`` with the model types of ``new`` replaced or added, per table, sorted by table and model type
+    (runs in chunks)."""
+    by_type = {(r.table, r.model_type): r for r in earlier}
+    by_type.update({(r.table, r.model_type): r for r in new})
+    return [by_type[t] for t in sorted(by_type, key=lambda key: (key[0] != CAUSAL_LM, key[1]))]
 
 
 def write(results: list[Coverage], markdown: Path, transformers_version: str) -> None:

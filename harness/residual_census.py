@@ -4,7 +4,9 @@ the adds.
 
 * ``adds_next_to_norms``: in one forward of the unpatched model, the residual adds next to a given norm. A tensor
   is on the residual stream once a norm or a layer (a module with one of the norms as a direct child) has read it
-  as its input, once it is the result of a residual add, or of a product or dtype conversion of a tensor on it
+  as an input as wide as the stream (a post-LN sublayer reads it as its second), once a norm returns it as wide as
+  the stream (a post-LN layer's stream is its normed sum), once it is the result of a residual add, or of a product
+  or dtype conversion of a tensor on it
   (a scaled residual, one kept in fp32). A residual add is an add (``a + b``, ``torch.add``,
   ``+=``) of two tensors of one shape, as wide as the stream, one of them already on it (a branch sum inside a
   mixture of experts, an embedding sum, a rotary embedding are not); it sits next to a norm when a norm reads its
@@ -54,17 +56,22 @@ class _Census(TorchFunctionMode):
         # Per residual add: its result's id, whether its other operand is a norm's output, and its code site.
         self.residual_adds: list[tuple[int, bool, str]] = []
 
-    def read_by_layer(self, tensor: object) -> None:
-        if isinstance(tensor, Tensor):
-            self.kept.append(tensor)
-            self.stream.add(id(tensor))
+    def read_by_layer(self, *tensors: object) -> None:
+        """Every tensor argument of a layer as wide as the stream: a post-LN sublayer reads the stream as its
+        second one (BERT's ``*SelfOutput(hidden_states, input_tensor)``)."""
+        for tensor in tensors:
+            if isinstance(tensor, Tensor) and tensor.shape[-1:] == (self.width,):
+                self.kept.append(tensor)
+                self.stream.add(id(tensor))
 
     def read_by_norm(self, tensor: object) -> None:
         self.read_by_layer(tensor)
         self.norm_inputs.add(id(tensor))
 
     def made_by_norm(self, tensor: object) -> None:
+        """A norm's output: as wide as the stream, it is the stream of a post-LN layer (its normed sum)."""
         if isinstance(tensor, Tensor):
+            self.read_by_layer(tensor)
             self.kept.append(tensor)
             self.norm_outputs.add(id(tensor))
 
@@ -132,8 +139,7 @@ def adds_next_to_norms(model: nn.Module, run, norms: set[nn.Module], width: int)
     handles = []
     for layer in layers:
         handles.append(layer.register_forward_pre_hook(
-            lambda module, args, kwargs: census.read_by_layer(args[0] if args else kwargs.get("hidden_states")),
-            with_kwargs=True))
+            lambda module, args, kwargs: census.read_by_layer(*args, *kwargs.values()), with_kwargs=True))
     for norm in norms:
         handles.append(norm.register_forward_pre_hook(lambda module, args: census.read_by_norm(args[0])))
         handles.append(norm.register_forward_hook(lambda module, args, output: census.made_by_norm(output)))

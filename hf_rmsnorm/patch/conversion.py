@@ -1,4 +1,4 @@
-"""LayerNorm decoders: which LayerNorms run the fused kernels, and the explicit conversion to RMSNorm.
+"""LayerNorms: every ``nn.LayerNorm`` runs the fused kernels exactly, and the explicit conversion to RMSNorm.
 
 **Default, ``layernorm="fuse"``.** Every ``nn.LayerNorm`` of the model, wherever it sits (pre-LN, parallel and
 post-LN decoders, encoders, encoder-decoders, vision towers, inside attention), becomes a fused module running the
@@ -32,9 +32,9 @@ original output plus a constant. Convert a model when it is final; fine-tune wit
 
 Only a pre-LN decoder of a registered family, whose stream this argument follows, is converted; a model without one
 (BERT and the other post-LN encoders, encoder-decoders) is refused with the reason, and the LayerNorms outside a
-converted stack run exactly as by default. Only fp32 (or fp64) writers are converted: rounding centred weights back to fp16/bf16 rounds every writer weight
-a second time (tiny GPT-2: mean logit error 1.10x eager's in bf16, 1.11x in fp16). A half-precision model is
-refused; convert its fp32 weights, then cast the converted model.
+converted stack run exactly as by default. Only fp32 (or fp64) writers are converted: rounding centred weights
+back to fp16/bf16 rounds every writer weight a second time (tiny GPT-2: mean logit error 1.10x eager's in bf16,
+1.11x in fp16). A half-precision model is refused; convert its fp32 weights, then cast the converted model.
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ which invariant (``Refusal``); ``tests/patch/test_derived_soundness.py`` breaks 
 The argument pattern moves nothing: ``norm_of_add(F, a, b)`` stands where ``F(a + b)`` stood and evaluates ``F``,
 ``a`` and ``b`` in that order, as the call and its add do (4), then computes ``F(a + b)``; nothing runs between
 them either way (2), and no operand is read at another moment (3). It is matched in the simple statements of the
-forward's own scope only (1, 7), and never in a statement another pattern rewrites.
+forward's own scope only, outside nested scopes (1, 7), in no statement that starts another pattern; it replaces
+its call alone, so a ``before`` rewrite of a norm call in the same statement (its consumer) is not touched.
 
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.

@@ -23,7 +23,7 @@ from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, reg
 from .handoff import LINKS_ATTR, NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, recognised_layer_kinds, recognised_stack_kind
-from .report import PatchReport, UnconvertibleModelError, UnsupportedModelError
+from .report import PatchReport, UnsupportedModelError
 
 _STATE_ATTR = "_hf_rmsnorm_patch"
 # What a derived candidate that is no layer carries in place of why no registered shape fitted: nothing to report
@@ -78,13 +78,14 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     on the fused kernels; a module kernelized before patching has its hub forward set aside while patched (the
     report's ``hub_forwards`` names each) and put back by ``unpatch_model``.
 
-    LayerNorm decoders (GPT-2, GPT-NeoX, OPT, Phi, Falcon, GPT-J, StableLM) keep their LayerNorms' maths: each
-    LayerNorm on the residual stream runs the kernels' exact fused add + LayerNorm, and their residual adds are
-    fused where the layer has a known shape (GPT-2, GPT-NeoX, Phi, GPT-J).
+    LayerNorm models (decoders of every shape, BERT-family encoders with any head, ViT/CLIP/SigLIP towers,
+    Whisper, BART-style encoder-decoders) keep their LayerNorms' maths: every LayerNorm runs the kernels' exact
+    fused add + LayerNorm, and the residual adds next to them are fused where the layer has a known shape or its
+    code one of the derived forwards' patterns (post-LN sublayers' ``LayerNorm(dropout(dense(h)) + input)``).
 
     Args:
         model: a transformers model, or a PEFT ``PeftModel`` wrapping one (its base model is patched).
-        layernorm: what happens to the LayerNorms of LayerNorm decoders. ``"fuse"`` (default): the exact
+        layernorm: what happens to the model's LayerNorms. ``"fuse"`` (default): the exact
             fused LayerNorm above, no weight touched. ``"rmsnorm"``: a one-time, exact conversion of a pre-LN
             fp32 model into an RMSNorm model (``hf_rmsnorm.patch.conversion``): the modules writing into the
             residual stream are centred in place now (the report lists every parameter changed), the stream is
@@ -97,7 +98,7 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     Raises:
         UnsupportedModelError: ``model`` is not a module or has no norm hf_rmsnorm can patch. Nothing changed.
         UnconvertibleModelError: (a subclass) ``layernorm="rmsnorm"`` and the model cannot be converted exactly:
-            a post-LN model (BERT, OPT-350m), fp16/bf16 writers, an unknown stack. Nothing changed.
+            a post-LN model (BERT, OPT-350m), an encoder, fp16/bf16 writers, an unknown stack. Nothing changed.
         ValueError: ``layernorm`` is not one of the values above.
     """
     root = _unwrap(model)
@@ -245,21 +246,10 @@ def _checked_plan(root: nn.Module, layernorm: str) -> _Plan:
         model_name += f" (model_type {model_type!r})"
     norms = {name: type(m).__name__ for name, m, role in plan.modules if role.is_norm}
     found = sorted(set(norms.values()))
-    has_layernorm = any(role is Role.TORCH_LAYER_NORM for _, _, role in plan.modules)
-    if layernorm == "rmsnorm" and has_layernorm:
-        raise UnconvertibleModelError(
-            f"{model_name} normalises with nn.LayerNorm but is not a pre-LN decoder of a supported family (post-LN "
-            "models normalise residual sums), so it cannot be converted to RMSNorm exactly; "
-            "supported families: hf_rmsnorm.patch.family_names()"
-        )
-    hint = (
-        ", outside a supported decoder (post-LN encoders such as BERT are not supported)"
-        if has_layernorm and layernorm != "skip" else ""
-    )
-    # Without the hint, why each norm found was left alone (a tensor-parallel style, a replaced forward...).
-    reasons = "" if hint else _skip_reasons([(name, reason) for name, reason in plan.report.skipped if name in norms])
+    # Why each norm found was left alone (a tensor-parallel style, a replaced forward, numerics no mode has...).
+    reasons = _skip_reasons([(name, reason) for name, reason in plan.report.skipped if name in norms])
     raise UnsupportedModelError(
-        f"{model_name} has no norm hf_rmsnorm can patch (found: {', '.join(found) or 'none'}{hint}{reasons}); "
+        f"{model_name} has no norm hf_rmsnorm can patch (found: {', '.join(found) or 'none'}{reasons}); "
         "supported families: hf_rmsnorm.patch.family_names()"
     )
 

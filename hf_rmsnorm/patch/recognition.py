@@ -164,9 +164,9 @@ def _shape_problem(
     module: nn.Module, eps_attrs: tuple[str, ...], weight_attr: str | None, bias_attr: str | None
 ) -> str | None:
     """Why ``module`` cannot be one of the kernels' norms whatever its numerics, if it cannot (its epsilon is
-    under one of ``eps_attrs``, none: a constant of its code; its weight and bias under the attributes named, None: none). Where its
-    parameters live does not matter (the probe only reads their presence, shapes and dtypes), so a norm on the
-    meta device (a skeleton not loaded yet) gets the verdict it will have once loaded."""
+    under one of ``eps_attrs``, none: a constant of its code; its weight and bias under the attributes named, None:
+    none). Where its parameters live does not matter (the probe only reads their presence, shapes and dtypes), so a
+    norm on the meta device (a skeleton not loaded yet) gets the verdict it will have once loaded."""
     cls = type(module)
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
     if len(params) != 1 or params[0].kind not in (

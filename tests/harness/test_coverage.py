@@ -30,9 +30,20 @@ def test_verdicts_of_known_model_types():
     assert norms_only.adds_fused_in_forward == 0 < norms_only.adds_next_to_norms and not norms_only.fuses_every_add
     sites = norms_only.unfused_add_sites
     assert sites and all(site.startswith("modeling_zamba.py:") for site in sites)
-    skipped = coverage.check_model_type("bert", types["bert"], 60)
-    assert skipped.verdict == "skipped" and "no norm hf_rmsnorm can patch" in skipped.reason
-    assert skipped.uses_rmsnorm is False
+    # BERT's LM head model, post-LN: every LayerNorm patched, the adds of its sublayers fused into them.
+    post_ln = coverage.check_model_type("bert", types["bert"], 60)
+    assert (post_ln.verdict, post_ln.uses_rmsnorm, post_ln.uses_layernorm) == ("fused", False, True)
+    assert post_ln.adds_next_to_norms == post_ln.adds_fused_in_forward == 4 and post_ln.fuses_every_add
+
+
+def test_encoder_table_builds_base_models_with_their_own_inputs():
+    types = coverage.encoder_types()
+    assert {"bert", "vit", "whisper", "siglip_text_model", "bart"} <= types.keys()
+    for model_type, class_name in (("bert", "BertModel"), ("vit", "ViTModel")):
+        result = coverage.check_model_type(model_type, types[model_type], 60, coverage.ENCODER)
+        assert (result.table, result.model_class, result.verdict) == (coverage.ENCODER, class_name, "fused")
+        assert result.adds_next_to_norms == result.adds_fused_in_forward > 0 and result.fuses_every_add
+        assert result.fp32_max_err <= coverage.FP32_TOLERANCE
 
 
 def test_a_parity_failure_is_reported_as_failed(monkeypatch):
@@ -56,9 +67,11 @@ def test_runs_in_chunks_build_one_page(tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
     page = out.read_text()
-    assert "| llama | LlamaForCausalLM | fused |" in page and "| bert | BertLMHeadModel | skipped |" in page
+    assert "| llama | LlamaForCausalLM | fused |" in page and "| bert | BertLMHeadModel | fused |" in page
+    # Both tables: BERT is a causal LM type and an encoder type.
+    assert "## Encoders and encoder-decoders" in page and "| bert | BertModel | fused |" in page
     assert page.count("| llama |") == 1
-    assert len(coverage.read(out)) == 2
+    assert len(coverage.read(out)) == 3
 
 
 def test_mla_config_shrinks_consistently_and_builds():
@@ -116,7 +129,26 @@ def test_headline_counts_rmsnorm_and_layernorm_types_apart():
     assert "| fused | 1 | 1 | 0 | 2 |" in page and "| not built | 1 | 0 | 1 | 2 |" in page
     assert "| c | C | not built | RMSNorm (in its code) |" in page
     assert "| d | D | not built | unknown (no RMSNorm in its code) |" in page
-    assert "| f | F | fused | LayerNorm |" in page
+    assert "| f | F | fused | LayerNorm |" in page and "## Encoders" not in page
+
+
+def test_encoder_headline_counts_the_named_types():
+    results = [
+        coverage.Coverage("bert", "BertModel", "fused", table=coverage.ENCODER, uses_rmsnorm=False,
+                          uses_layernorm=True, adds_next_to_norms=4, adds_fused_in_forward=4),
+        coverage.Coverage("bart", "BartModel", "fused", table=coverage.ENCODER, uses_rmsnorm=False,
+                          uses_layernorm=True, adds_next_to_norms=10, adds_fused_in_forward=8),
+        coverage.Coverage("deberta", "DebertaModel", "skipped", table=coverage.ENCODER, uses_rmsnorm=False,
+                          uses_layernorm=True),
+        coverage.Coverage("esm", "EsmModel", "failed", table=coverage.ENCODER, uses_rmsnorm=False,
+                          uses_layernorm=True),
+    ]
+    line = coverage.encoder_headline(results)
+    assert "2 of the 3 encoder types issue 30 names are patched with parity (67%), 1 of them fusing" in line
+    assert "bart (fused, adds apart), deberta (skipped)" in line and "1 parity failures (esm)" in line
+    assert "1 of the 2 LayerNorm model types patched with parity fuse every add" in line
+    page = coverage.render(results, "0")
+    assert page.index("## Encoders and encoder-decoders") < page.index("| bert | BertModel | fused |")
 
 
 def test_the_page_counts_the_adds_fused_in_compiled_and_checkpointed_forwards():

@@ -402,3 +402,25 @@ def test_torch_compile_fullgraph_of_a_derived_model(model_type):
         got = compiled(ids, use_cache=False).logits.double()
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
+
+
+class ToyPostLNSublayer(ToyDecoderLayer):
+    """Post-LN sublayers, BERT's ``LayerNorm(dropout(dense(h)) + input)``: the sum is the norm's argument; the one in
+    a lambda is not matched (it may run later, or never)."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        hidden_states = self.input_layernorm(self.mixer(hidden_states) + hidden_states)
+        later = lambda: self.post_attention_layernorm(hidden_states + scale)  # noqa: E731
+        return self.post_attention_layernorm(self.mlp(hidden_states) + later())
+
+
+def test_a_sum_as_a_norm_argument_is_fused_in_place():
+    assert [(s.position, s.norm) for s in sites(ToyPostLNSublayer)] == [
+        ("argument", ("input_layernorm",)), ("argument", ("post_attention_layernorm",))]
+    model = toy_model(ToyPostLNSublayer)
+    x = states()
+    expected = model(x)
+    report = patch_model(model)
+    assert len(report.fused_adds) == 2 * len(model.layers)
+    assert residual_census.fused_adds(model, lambda m: m(x)) == 2 * len(model.layers)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)  # fp32 reductions in another order

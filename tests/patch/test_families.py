@@ -98,11 +98,12 @@ def _tiny_multimodal(model_type: str):
 
 
 # Residual adds fused per text layer, and in the vision tower, through the derived forwards of Pixtral's layers
-# (each attention add into the FFN norm, the first layer's output into the second's attention norm) and of
-# Qwen2.5-VL's blocks (each attention add into norm2).
+# (each attention add into the FFN norm, the first layer's output into the second's attention norm), of Qwen2.5-VL's
+# and Qwen3-VL's blocks (each attention add into norm2), and of the LayerNorm towers: SigLIP's in Gemma 3 (each
+# attention add into layer_norm2, the first layer's output into the second's norm), Llama 4's (each attention add).
 @pytest.mark.parametrize(
     "model_type,fused_per_layer,vision_adds",
-    [("mistral3", 2, 3), ("qwen2_5_vl", 2, 2), ("qwen3_vl", 1, 0), ("gemma3", 2, 0), ("llama4", 2, 0)],
+    [("mistral3", 2, 3), ("qwen2_5_vl", 2, 2), ("qwen3_vl", 1, 2), ("gemma3", 2, 3), ("llama4", 2, 2)],
 )
 def test_multimodal_models_get_their_language_model_patched(model_type, fused_per_layer, vision_adds):
     """The language model inside a vision-language model is patched with parity; the vision tower's norms are

@@ -622,3 +622,46 @@ def test_a_compiled_deprecated_call_traces_in_one_graph():
     compiled = torch.compile(lambda a, w, b: rms_norm(a, w, 1e-5, bias=b, mode="layernorm"), fullgraph=True,
                              backend="eager")
     assert torch.equal(compiled(x, weight, bias), layer_norm(x, weight, bias))
+
+
+WIDTH = 96
+
+
+def _own_layernorms():
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    class NoBiasLayerNorm(nn.LayerNorm):  # a subclass of nn.LayerNorm, recognised by what it computes
+        pass
+
+    return {"nemotron_1p": NemotronLayerNorm1P(WIDTH), "olmo_weightless": OlmoLayerNorm(WIDTH),
+            "subclass_without_bias": NoBiasLayerNorm(WIDTH, bias=False),
+            "torch_without_affine": nn.LayerNorm(WIDTH, elementwise_affine=False)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(_own_layernorms()))
+def test_layernorm_variants_are_patched_exactly(name, dtype):
+    """Nemotron's ``weight + 1`` (rounded in the weight's dtype, as its forward does), OLMo's LayerNorm without
+    parameters and a constant epsilon, a subclass without bias and a LayerNorm without affine parameters, with
+    trained-like parameters: patched, no less accurate than eager against fp64, the fused add too."""
+    norm = _own_layernorms()[name]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pname, p in norm.named_parameters():  # Nemotron's weight is an offset from 1: around 0
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if pname == "weight" and "1p" not in name else 0))
+    norm = norm.to(dtype)
+    container = nn.Sequential(norm)
+    x = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(dtype)
+    r = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(dtype)
+    eager = norm(x + r)
+    weight, bias = (getattr(norm, a, None) for a in ("weight", "bias"))
+    truth = nn.functional.layer_norm(  # the module's maths in fp64 (OLMo's computes in fp32 whatever its input)
+        (x + r).double(), (WIDTH,), None if weight is None else weight.double() + ("1p" in name),
+        None if bias is None else bias.double(), getattr(norm, "eps", 1e-5))
+    report = patch_model(container)
+    assert report.norms == ["0"], report
+    got, total = norm(x, residual=r)
+    assert torch.equal(total, x + r) and got.dtype == eager.dtype
+    scale = truth.abs().max().item()
+    assert err(got, truth) <= err(eager, truth) + torch.finfo(dtype).eps * scale

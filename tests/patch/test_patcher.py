@@ -320,17 +320,17 @@ def test_norms_of_unknown_classes_are_patched_by_their_numerics_or_skipped_with_
     model.model.extra_norm = MyRMSNorm()
     model.model.scaled_norm = ScaledRMSNorm()
     model.model.gated_norm = GatedRMSNorm()
-    model.model.layer_norm = torch.nn.LayerNorm(64)
+    model.model.group_norm = torch.nn.GroupNorm(4, 64)  # a norm no mode computes
     x = torch.randn(3, 64)
     expected = model.model.extra_norm(x)
     report = patch_model(model)
     assert "model.extra_norm" in report.norms and "My (recognised)" in report.families
     torch.testing.assert_close(model.model.extra_norm(x), expected, rtol=1e-6, atol=1e-6)  # fp32 reductions
-    assert type(model.model.scaled_norm) is ScaledRMSNorm and type(model.model.layer_norm) is torch.nn.LayerNorm
+    assert type(model.model.scaled_norm) is ScaledRMSNorm and type(model.model.group_norm) is torch.nn.GroupNorm
     skipped = dict(report.skipped)
     assert "ScaledRMSNorm's numerics match none of the kernels' modes" in skipped["model.scaled_norm"]
     assert "GatedRMSNorm.forward takes more than the hidden states (hidden_states, gate)" in skipped["model.gated_norm"]
-    assert skipped["model.layer_norm"].startswith("torch.nn.modules.normalization.LayerNorm is not")
+    assert skipped["model.group_norm"].startswith("torch.nn.modules.normalization.GroupNorm is not")
     assert len(report.norms) == 6
 
 
@@ -378,12 +378,12 @@ def test_unpatch_refuses_when_a_class_was_changed_after_patching():
 
 def test_report_reads_well():
     model = tiny_model("phi3")
-    model.model.extra = torch.nn.LayerNorm(64)
+    model.model.extra = torch.nn.GroupNorm(4, 64)
     text = str(patch_model(model))
     assert text.splitlines()[0] == "hf_rmsnorm: 5 norms patched (Phi3), 4 residual adds fused, 1 skipped"
     assert "    model.layers.0: attention residual -> model.layers.0.post_attention_layernorm (while " in text
     assert "    model.layers.1: mlp residual -> model.norm (while resid_mlp_dropout is inactive)" in text
-    assert text.endswith("\n    model.extra: torch.nn.modules.normalization.LayerNorm is not a norm of a supported family")
+    assert text.endswith("\n    model.extra: torch.nn.modules.normalization.GroupNorm is not a norm of a supported family")
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
