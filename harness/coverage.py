@@ -752,8 +752,6 @@ def qk_paragraph(results: list[Coverage]) -> str:
             f"{'; '.join(apart) or 'none'}.")
 
 
-
-
 def _patched(results: list[Coverage]) -> list[Coverage]:
     return [r for r in results if r.verdict in ("fused", "norms only")]
 
