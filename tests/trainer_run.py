@@ -38,6 +38,7 @@ from patch_models import VOCAB, tiny_model  # noqa: E402
 
 from hf_rmsnorm import patch_model  # noqa: E402
 from hf_rmsnorm.ops.functional import BoundNorm  # noqa: E402
+from hf_rmsnorm.patch import qk_runtime  # noqa: E402
 
 # Run name -> (model family, trainer class).
 RUNS = {"llama": ("llama", Trainer), "qwen3": ("qwen3", Trainer), "llama-sft": ("llama", SFTTrainer)}
@@ -51,14 +52,15 @@ def count_kernel_calls(set_attr: Callable[[object, str, object], None] = setattr
     that ``fused.py`` calls); ``set_attr`` installs the counting wrappers (pytest's ``monkeypatch.setattr`` in a
     test process)."""
     counts: collections.Counter[str] = collections.Counter()
-    for name in KERNEL_ENTRY_POINTS:
-        op = getattr(BoundNorm, name)
+    # The norms' entry points, and the fused q/k norms + RoPE launch the attention modules make (``qk_runtime``).
+    for owner, name in [(BoundNorm, name) for name in KERNEL_ENTRY_POINTS] + [(qk_runtime, "qk_norm_rope")]:
+        op = getattr(owner, name)
 
         def counted(*args, _op=op, _name=name, **kwargs):
             counts[_name] += 1
             return _op(*args, **kwargs)
 
-        set_attr(BoundNorm, name, counted)
+        set_attr(owner, name, counted)
     return counts
 
 
@@ -133,6 +135,7 @@ def train(run: str, patched: bool, counts: collections.Counter[str], output_dir:
         "wrapped": type(trainer.model_wrapped).__name__,
         "kernel_calls": calls,
         "patched_norms": None if report is None else len(report.norms),
+        "fused_qk": None if report is None else len(report.fused_qk),
         "norm_weights": {
             name: param.detach().flatten().tolist() for name, param in model.named_parameters() if "norm" in name
         },

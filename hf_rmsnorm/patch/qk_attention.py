@@ -156,6 +156,9 @@ def class_namespace(base: type, kind: QKAttentionKind) -> dict[str, object]:
     }
 
 
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, str],
                    class_problem: Callable[[type], str | None]) -> tuple[list[tuple[str, nn.Module, QKAttentionKind]],
                                                                         list[tuple[str, str]]]:
@@ -166,7 +169,8 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
     verdicts: dict[object, RopeVerdict | str] = {}
     kinds: dict[tuple[type, frozenset], QKAttentionKind | str] = {}
     for name, module in modules:
-        if sum(child in norms for child in module.children()) < 2:
+        # A container of norms (LongCat-Flash's ModuleList of two input norms) calls none of them itself.
+        if isinstance(module, _CONTAINERS) or sum(child in norms for child in module.children()) < 2:
             continue
         cls = type(module)
         source = derived_source.class_forward(cls)

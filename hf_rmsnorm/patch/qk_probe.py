@@ -42,15 +42,19 @@ class RopeVerdict:
 
 
 def probe_rope(rope: object) -> RopeVerdict | str:
-    """The verdict on ``rope`` (called as ``rope(q, k, cos, sin)``), or why it is not the kernel's RoPE."""
+    """The verdict on ``rope`` (called as ``rope(q, k, cos, sin)``), or why it is not the kernel's RoPE. The probe
+    runs on the CPU whatever the caller's default device or ``torch.device`` context (a model built under
+    ``torch.device("meta")`` gets the verdict it will have once loaded)."""
     generator = torch.Generator().manual_seed(0)
-    full = {pair: cast for pair in DTYPE_PAIRS if (cast := _agrees(rope, *pair, _HEAD_DIM, generator)) is not None}
+    with torch.device("cpu"):
+        full = {pair: cast for pair in DTYPE_PAIRS
+                if (cast := _agrees(rope, *pair, _HEAD_DIM, generator)) is not None}
+        partial = all(_agrees(rope, *pair, _HEAD_DIM // 2, generator) == cast for pair, cast in full.items())
     if not full:
         return (f"{getattr(rope, '__qualname__', rope)} does not compute the kernel's rotate_half RoPE in any dtype "
                 "(interleaved pairs, multimodal sections or other roundings)")
     if (_BF16, _BF16) not in full:
         return f"{getattr(rope, '__qualname__', rope)} does not compute the kernel's RoPE bit for bit in bf16"
-    partial = all(_agrees(rope, *pair, _HEAD_DIM // 2, generator) == cast for pair, cast in full.items())
     return RopeVerdict(tuple(full.items()), partial)
 
 

@@ -176,12 +176,12 @@ def test_not_built_only_when_building_fails(monkeypatch):
         raise ValueError("inputs_embeds cannot be None")
 
     monkeypatch.setattr(llama, "forward", failing_forward)
-    monkeypatch.setattr(coverage, "_build", lambda model_type: llama)
+    monkeypatch.setattr(coverage, "_build", lambda model_type, *table_and_class: llama)
     result = coverage.check_model_type("llama", "LlamaForCausalLM", 60)
     assert (result.verdict, result.uses_rmsnorm, result.uses_layernorm) == ("not run", True, False)
     assert result.reason == "its eager model fails: ValueError: inputs_embeds cannot be None"
 
-    def unbuildable(model_type):
+    def unbuildable(model_type, *table_and_class):
         raise TypeError("unsupported operand")
 
     monkeypatch.setattr(coverage, "_build", unbuildable)

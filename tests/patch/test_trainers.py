@@ -47,16 +47,18 @@ def kernel_calls(monkeypatch):
     return count_kernel_calls(monkeypatch.setattr)
 
 
-def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool) -> dict[str, int]:
+def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool, n_qk: int = 0) -> dict[str, int]:
     """The kernel calls of one process's training steps on a patched tiny model: every patched norm runs once
     per step; each layer's attention residual add runs inside its post_attention_layernorm's kernel and its MLP
     residual add inside the next norm's (the next layer's input norm, or the final norm), which the layer calls
     and the next one is handed (``hf_rmsnorm.patch.handoff``). So every norm runs inside a layer, and under
     gradient checkpointing (every layer, as transformers checkpoints by default) runs again when its layer is
-    recomputed, the MLP adds fused all the same."""
+    recomputed, the MLP adds fused all the same. The q and k norms of each of the ``n_qk`` attention modules fused
+    with their RoPE run as one ``qk_norm_rope`` launch instead (``hf_rmsnorm.patch.qk_runtime``)."""
     runs = 2 if checkpointing else 1
     fused_adds = 2 * n_layers * STEPS * runs
-    return {"norm": n_norms * STEPS * runs - fused_adds, "fused_add_norm": fused_adds}
+    calls = {"norm": (n_norms - 2 * n_qk) * STEPS * runs - fused_adds, "fused_add_norm": fused_adds}
+    return calls | ({"qk_norm_rope": n_qk * STEPS * runs} if n_qk else {})
 
 
 # --- Trainer under accelerate launch: 2 processes, DDP over gloo -------------------------------------------
@@ -81,7 +83,8 @@ def test_ddp_patched_matches_unpatched(ddp_runs, run):
     _assert_same_losses(patched["losses"], unpatched["losses"])
     # Each process ran the patched norms (SFTTrainer checkpoints by default); the unpatched runs never did.
     n_layers = tiny_model(RUNS[run][0]).config.num_hidden_layers
-    expected = _expected_kernel_calls(patched["patched_norms"], n_layers, patched["gradient_checkpointing"])
+    expected = _expected_kernel_calls(patched["patched_norms"], n_layers, patched["gradient_checkpointing"],
+                                      patched["fused_qk"])
     assert patched["kernel_calls"] == [expected, expected]
     assert unpatched["kernel_calls"] == [{}, {}] and unpatched["patched_norms"] is None
     # The norm weights trained, and by the same updates.
