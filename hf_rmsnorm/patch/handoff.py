@@ -193,8 +193,9 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
 def _fused_layer(module: nn.Module) -> bool:
     # The fused class itself (not a subclass made since, such as FSDP2's), running its class forward as installed
     # (no wrapper set on the class since), with no accelerate hook.
-    cls = type(module).__dict__
-    return "_hf_rmsnorm_base" in cls and cls["forward"] is cls["_hf_rmsnorm_forward"] and not (
+    # (``cls.forward``, not the class ``__dict__``'s entry: Dynamo refuses a mapping proxy read after the dict changed.)
+    cls = type(module)
+    return "_hf_rmsnorm_base" in cls.__dict__ and cls.forward is cls._hf_rmsnorm_forward and not (
         "forward" in module.__dict__ or "_hf_hook" in module.__dict__)
 
 

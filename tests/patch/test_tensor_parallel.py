@@ -64,10 +64,15 @@ def test_qwen3_qk_norms_under_their_auto_plan_style_are_patched_and_the_wrapper_
     report = patch_model(model)
 
     assert all(f"model.layers.{i}.self_attn.{n}_norm" in report.norms for i in range(2) for n in "qk")
-    # The q/k norms run apart from the RoPE under a plan (hf_rmsnorm.patch.qk_attention): each attention says so.
-    assert not report.fused_qk and [name for name, _ in report.skipped] == [f"model.layers.{i}.self_attn"
-                                                                             for i in range(2)]
-    assert all(TP_QK_REASON in reason for _, reason in report.skipped)
+    if _wrapped_forward(q_norms[0]) is not None:
+        # The q/k norms run apart from the RoPE under a plan (hf_rmsnorm.patch.qk_attention): each attention says so.
+        assert not report.fused_qk and [name for name, _ in report.skipped] == [f"model.layers.{i}.self_attn"
+                                                                                 for i in range(2)]
+        assert all(TP_QK_REASON in reason for _, reason in report.skipped)
+    else:
+        # 5.17's style is a backward hook, no wrapper: the attention is planned fused, and the hook guard
+        # (hf_rmsnorm.patch.guard) runs its original statements at every call while the hook watches the norm.
+        assert len(report.fused_qk) == 2
     if _wrapped_forward(q_norms[0]) is not None:
         assert all(_wrapped_forward(norm) is type(norm).forward is not original_forward for norm in q_norms)
     torch.testing.assert_close(q_norms[0](x), expected, rtol=1e-6, atol=1e-6)  # fp32 reductions
