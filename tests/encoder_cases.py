@@ -43,11 +43,12 @@ CASES = MappingProxyType({case.model_type: case for case in (
     EncoderCase("clip_text_model", "CLIPTextModel", 5, 3),
     EncoderCase("siglip_vision_model", "SiglipVisionModel", 6, 3),
     EncoderCase("siglip_text_model", "SiglipTextModel", 5, 3),
-    # Encoder-decoders: post-LN layers (BART, Marian) fuse every add; pre-LN ones (mBART, Pegasus, Whisper) the
-    # add before the MLP's norm and the decoder's layer outputs (an ``if`` follows their other adds).
+    # Encoder-decoders: post-LN layers (BART, Marian) fuse every add; pre-LN ones (mBART, Pegasus, Whisper) too,
+    # through the ``if`` around the decoder's cross-attention block (its self-attention add planned once for each
+    # branch: three sites per decoder layer) and the one after the encoder's output add (the fp16 clamp).
     EncoderCase("bart", "BartForConditionalGeneration", 12, 10),
-    EncoderCase("mbart", "MBartForConditionalGeneration", 14, 4),
+    EncoderCase("mbart", "MBartForConditionalGeneration", 14, 12),
     EncoderCase("marian", "MarianMTModel", 10, 10),
-    EncoderCase("pegasus", "PegasusForConditionalGeneration", 12, 4),
-    EncoderCase("whisper", "WhisperForConditionalGeneration", 12, 4),
+    EncoderCase("pegasus", "PegasusForConditionalGeneration", 12, 12),
+    EncoderCase("whisper", "WhisperForConditionalGeneration", 12, 12),
 )})

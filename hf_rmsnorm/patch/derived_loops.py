@@ -10,8 +10,11 @@ The form read, every loop over ``self.<layers>`` alike::
     ...                                   # statements that do not name h
     h = self.<final norm>(h)              # or any statement reading h once, in a call self.<final norm>(h)
 
-In such a forward nothing but the layers sees the hidden states between one layer and the next, or between the
-last layer and the final norm. ``h`` obeys ``derived_sites``' invariant 3 (a local no nested function captures:
+The layer call may sit in an ``if`` of the loop's body (LayerDrop's ``if not to_drop:``), and a ``continue`` may skip
+it. In such a forward nothing but the layers sees the hidden states between one layer and the next, or between the
+last layer and the final norm. A layer skipped leaves unread what was handed on to it: each consumer takes only
+what was made for it (``handoff.call_layer`` and ``final_norm`` check its identity), so the next one normalises
+the hidden states itself. ``h`` obeys ``derived_sites``' invariant 3 (a local no nested function captures:
 nothing else can rebind it), and the final norm's call its invariant 1 (not deferred in a nested scope). The final
 norm is None unless each loop is followed by the same one (the layers still hand over to each other).
 """
@@ -133,7 +136,7 @@ def _stack_loop(loop: ast.For, block: list[ast.stmt], layers: str, rest: list[as
         target = target.elts[1]
     if not isinstance(target, ast.Name) or loop.orelse:
         return None
-    calls = [s for s in loop.body if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
+    calls = [s for s in _under_ifs(loop.body) if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
              and isinstance(s.value.func, ast.Name) and s.value.func.id == target.id]
     if len(calls) != 1:
         return None
@@ -150,7 +153,9 @@ def _stack_loop(loop: ast.For, block: list[ast.stmt], layers: str, rest: list[as
 
 def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     """The name the hidden states get from the layer call ``call``: ``h = layer(...)``, ``h, *other = layer(...)``,
-    or ``out = layer(...)`` then ``h = out[0]`` (``out`` read nowhere else but as ``out[k]``, its other items)."""
+    or ``out = layer(...)`` then ``h = out[0]`` or ``h = out[0] if isinstance(out, tuple) else out`` (the output's
+    first item, or the output itself: what the layer returns the hidden states as), ``out`` read nowhere else but
+    as ``out[k]``, its other items."""
     target = call.targets[0]
     if isinstance(target, ast.Tuple):
         return target.elts[0].id if target.elts and isinstance(target.elts[0], ast.Name) else None
@@ -159,10 +164,38 @@ def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     module = ast.Module(body=body, type_ignores=[])
     items = {id(n.value): n.slice.value for n in ast.walk(module)
              if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and type(n.slice.value) is int}
-    picks = [s for s in body if assigned_name(s) and isinstance(s.value, ast.Subscript)
-             and isinstance(s.value.value, ast.Name) and s.value.value.id == target.id
-             and items.get(id(s.value.value)) == 0]
+    picks = [(s, reads) for s in _under_ifs(body) if assigned_name(s) and (reads := _first_item_reads(s.value, target.id, items))]
     reads = [n for n in named_outside_tuples(body, target.id) if n is not target]
-    if len(picks) == 1 and all(n is picks[0].value.value or items.get(id(n), 0) > 0 for n in reads):
-        return assigned_name(picks[0])
+    if len(picks) == 1 and all(any(n is read for read in picks[0][1]) or items.get(id(n), 0) > 0 for n in reads):
+        return assigned_name(picks[0][0])
     return target.id
+
+
+def _first_item_reads(value: ast.expr, out: str, items: dict[int, object]) -> list[ast.Name]:
+    """The reads of ``out`` in ``value`` when it is ``out[0]`` or ``out[0] if isinstance(out, tuple) else out``;
+    empty for anything else."""
+    def is_first_item(node: ast.expr) -> bool:
+        return isinstance(node, ast.Subscript) and _is_name(node.value, out) and items.get(id(node.value)) == 0
+
+    if is_first_item(value):
+        return [value.value]
+    if isinstance(value, ast.IfExp) and is_first_item(value.body) and _is_name(value.orelse, out):
+        test = value.test
+        if (isinstance(test, ast.Call) and _is_name(test.func, "isinstance") and len(test.args) == 2
+                and not test.keywords and _is_name(test.args[0], out) and _is_name(test.args[1], "tuple")):
+            return [value.body.value, test.args[0], value.orelse]
+    return []
+
+
+def _under_ifs(statements: list[ast.stmt]) -> list[ast.stmt]:
+    """``statements`` and those in the branches of their ``if`` statements, at any depth."""
+    found: list[ast.stmt] = []
+    for statement in statements:
+        found.append(statement)
+        if isinstance(statement, ast.If):
+            found += _under_ifs(statement.body) + _under_ifs(statement.orelse)
+    return found
+
+
+def _is_name(node: ast.expr, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name

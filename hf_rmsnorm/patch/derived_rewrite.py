@@ -42,16 +42,17 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     if problem is not None:
         raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {problem}")
     analysis = analysed(forward, function, kind.norms)
-    plans = {plan.site: plan for plan in analysis.plans}
-    missing = [site.label for site in kind.sites if site not in plans]
+    found_sites = {plan.site for plan in analysis.plans}
+    missing = [site.label for site in kind.sites if site not in found_sites]
     if missing:
         raise ValueError(f"{base.__qualname__}.forward has no {', '.join(missing)}")
     found = analysis.input_norm.norm if analysis.input_norm is not None else None
     if kind.input_norm is not None and found != kind.input_norm:
         raise ValueError(f"{base.__qualname__}.forward no longer applies {kind.input_norm} to its input first")
     frees: list[tuple[list[ast.stmt], ast.stmt, str]] = []
-    for site in kind.sites:
-        plan = plans[site]
+    for plan in analysis.plans:  # a site copied into both branches of an ``if`` (derived_branches) has two plans
+        if plan.site not in kind.sites:
+            continue
         if isinstance(plan, BeforePlan):
             frees.append(_rewrite_before(plan))
         elif isinstance(plan, AfterPlan):
@@ -95,10 +96,14 @@ def _rewrite_after(plan: AfterPlan) -> None:
 
 
 def _rewrite_output(plan: OutputPlan) -> None:
-    """``a + b`` -> ``stream_sum(call, a, b)``, where the layer returns it."""
+    """``a + b`` -> ``stream_sum(call, a, b)``, where the layer returns it; each branch between the add and the
+    ``return`` begins with ``withdraw(call)``."""
     add = plan.add
     plan.statement.value = located(
         _helper_call("stream_sum", ast.Name(handoff.CALL_PARAM, ast.Load()), add.left, add.right), add)
+    for branch in plan.withdrawn:
+        branch.insert(0, located(ast.Expr(_helper_call("withdraw", ast.Name(handoff.CALL_PARAM, ast.Load()))),
+                                 branch[0]))
 
 
 def fused_stack_forward(base: type, layers: str, final_norm: str | None) -> Callable[..., object]:

@@ -9,9 +9,13 @@ The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, call
                     y = F(e); s = r + y  (or return r + y) ->  pass; s = norm_then_add(F, e, r)
     layer output:   s = a + b; return s  (return s, ...)  ->  s = stream_sum(call, a, b); return s
                     return a + b                          ->  return stream_sum(call, a, b)
+                    s = a + b; if T: B; return s          ->  s = stream_sum(call, a, b); if T: withdraw(call); B;
+                                                              return s
     input norm:     ... F(x) ...  (x the input, or x.to(...)) ->  ... input_norm(call, F, x, x) ...
 
-The output pattern also matches an add ending an ``if`` branch followed by the ``return``; the input norm is the
+The output pattern also matches an add ending an ``if`` branch followed by the ``return``, and an add followed by
+an ``if`` whose test ``T`` only reads and compares (mBART's ``if hidden_states.dtype == torch.float16:``, whose
+branch clamps the sum), then the ``return``; the input norm is the
 norm applied to the input before anything else reads it, in each branch of an ``if`` alike. ``call`` is the
 ``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``; the helpers are
 ``derived_runtime``'s, and each checks at every call that its kernel computes what the expression does (a patched
@@ -62,6 +66,13 @@ them either way (2), and no operand is read at another moment (3). It is matched
 forward's own scope only, outside nested scopes (1, 7), in no statement that starts another pattern; it replaces
 its call alone, so a ``before`` rewrite of a norm call in the same statement (its consumer) is not touched.
 
+The output pattern with an ``if`` between add and ``return``: the handoff's normed sum is the next norm of the sum
+the kernel returns, which the layer returns unless a branch runs. In between only ``T`` runs, which reads and
+compares (``derived_syntax.compares_reads``: no call, no operator but ``==``, ``!=``, ``is`` and ``is not`` of read
+values), so it changes neither the sum nor a norm (2). A branch may change the sum (rebind it, or clamp it in
+place), so each branch's first statement withdraws the normed sum (``handoff.withdraw``): the next norm then
+normalises what the layer returns, as the original does.
+
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
 """
@@ -73,9 +84,10 @@ import types
 from dataclasses import dataclass, field
 
 from . import derived_source
+from .derived_branches import sink_adds
 from .derived_syntax import (
-    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents, reads_only,
-    returned_sum, self_name, summed, walrus_targets,
+    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents,
+    compares_reads, past_aliases, reads_only, returned_sum, self_name, summed, walrus_targets,
 )
 
 
@@ -194,11 +206,13 @@ class ArgumentPlan:
 
 @dataclass(eq=False)
 class OutputPlan:
-    """``statement`` (``s = a + b`` or ``return a + b``) holding the layer's output add ``add``."""
+    """``statement`` (``s = a + b`` or ``return a + b``) holding the layer's output add ``add``; ``withdrawn``
+    the branches of an ``if`` between the add and the ``return``, each of which withdraws the handoff first."""
 
     site: AddSite
     statement: ast.stmt
     add: ast.BinOp
+    withdrawn: list[list[ast.stmt]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -224,7 +238,7 @@ class LayerAnalysis:
 
     def code(self) -> LayerCode:
         norm = self.input_norm.norm if self.input_norm is not None else None
-        return LayerCode(tuple(plan.site for plan in self.plans), norm, tuple(self.refusals))
+        return LayerCode(tuple(dict.fromkeys(plan.site for plan in self.plans)), norm, tuple(self.refusals))
 
 
 # ------------------------------------------------------------------------------------- entry points
@@ -284,6 +298,7 @@ class _Analysis:
     def __init__(self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> None:
         self.function, self.norms, self.plain = function, norms, plain
         self.self_name = self_name(function)
+        sink_adds(function, norms, self.self_name, plain)  # before anything reads the statements
         self.up = parents(function)
         self.result = LayerAnalysis()
         self._block(function.body, None, ())
@@ -301,7 +316,7 @@ class _Analysis:
         while i < len(statements):
             statement = statements[i]
             following = statements[i + 1] if i + 1 < len(statements) else after
-            i += self._match(statements, i, following, enclosing) or 1
+            i += self._match(statements, i, after, enclosing) or 1
             if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue  # invariant 7
             if isinstance(statement, ast.If):
@@ -323,13 +338,14 @@ class _Analysis:
         path = module_call(node, self.self_name)
         return path if path in self.norms else None
 
-    def _match(self, statements: list[ast.stmt], i: int, following: ast.stmt | None,
+    def _match(self, statements: list[ast.stmt], i: int, after: ast.stmt | None,
                enclosing: tuple[str, ...]) -> int:
-        """Records the pattern starting at ``statements[i]``; returns how many statements it spans, 0 for none."""
+        """Records the pattern starting at ``statements[i]`` (``after`` runs once the list ends); returns how many
+        statements it spans, 0 for none."""
         return (
             self._before_norm(statements, i, enclosing)
             or self._after_norm(statements, i)
-            or self._output(statements, i, following, enclosing)
+            or self._output(statements, i, after, enclosing)
             or self._argument_sums(statements[i])
         )
 
@@ -351,12 +367,7 @@ class _Analysis:
         if found is None:
             return 0
         total, add = found
-        names, j = {total}, i + 1
-        while j < len(statements) and (alias := assigned_name(statements[j])) and (
-            isinstance(statements[j].value, ast.Name) and statements[j].value.id in names
-        ):
-            names.add(alias)
-            j += 1
+        j = past_aliases(statements, i + 1, {total})
         if j == len(statements) or not isinstance(statements[j], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
             return 0
         consumer = statements[j]
@@ -436,19 +447,28 @@ class _Analysis:
             return f"{normed}, which the rewrite no longer binds, is read or deleted elsewhere in the forward"
         return None
 
-    def _output(self, statements: list[ast.stmt], i: int, following: ast.stmt | None,
+    def _output(self, statements: list[ast.stmt], i: int, after: ast.stmt | None,
                 enclosing: tuple[str, ...]) -> int:
         statement = statements[i]
+        withdrawn: list[list[ast.stmt]] = []
         if (add := returned_sum(statement)) is not None:
             in_tuple = False
-        elif (found := summed(statement)) is not None and (in_tuple := _returns(following, found[0])) is not None:
-            add = found[1]
+        elif (found := summed(statement)) is not None:
+            total, add = found
+            in_tuple = _returns(statements[i + 1] if i + 1 < len(statements) else after, total)
+            if in_tuple is None and i + 1 < len(statements):  # s = a + b; if <test>: ...; return s
+                branching = statements[i + 1]
+                if isinstance(branching, ast.If) and compares_reads(branching.test):
+                    in_tuple = _returns(statements[i + 2] if i + 2 < len(statements) else after, total)
+                    withdrawn = [branch for branch in (branching.body, branching.orelse) if branch]
+            if in_tuple is None:
+                return 0
         else:
             return 0
         site = AddSite("output", (), add.lineno, in_tuple)
         if "try" in enclosing:  # invariant 5
             return self._refuse(site, "it sits in a try block, whose finally could return something else")
-        self.result.plans.append(OutputPlan(site, statement, add))
+        self.result.plans.append(OutputPlan(site, statement, add, withdrawn))
         return 1
 
     def _input_norm(self) -> None:

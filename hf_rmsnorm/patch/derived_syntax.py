@@ -56,6 +56,17 @@ def summed(statement: ast.stmt) -> tuple[str, ast.BinOp] | None:
     return None
 
 
+def past_aliases(statements: list[ast.stmt], j: int, names: set[str]) -> int:
+    """The index of the first statement from ``j`` on that is no alias ``r = s`` of one of ``names`` (which gains
+    the aliases)."""
+    while j < len(statements) and (alias := assigned_name(statements[j])) and (
+        isinstance(statements[j].value, ast.Name) and statements[j].value.id in names
+    ):
+        names.add(alias)
+        j += 1
+    return j
+
+
 def returned_sum(statement: ast.stmt | None) -> ast.BinOp | None:
     """``a + b`` for ``return a + b``."""
     if isinstance(statement, ast.Return) and isinstance(statement.value, ast.BinOp) and isinstance(
@@ -166,6 +177,19 @@ def reads_only(node: ast.expr) -> bool:
     if isinstance(node, ast.Slice):
         return all(part is None or reads_only(part) for part in (node.lower, node.upper, node.step))
     return False
+
+
+def compares_reads(test: ast.expr) -> bool:
+    """Whether ``test`` only reads (``reads_only``) and compares what it reads by ``==``, ``!=``, ``is`` or ``is
+    not``, under ``not``, ``and`` and ``or`` (``hidden_states.dtype == torch.float16``): comparisons of values such
+    as dtypes, numbers and ``None``, which call no code of the model."""
+    if isinstance(test, ast.BoolOp):
+        return all(compares_reads(value) for value in test.values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return compares_reads(test.operand)
+    return isinstance(test, ast.Compare) and all(
+        isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)) for op in test.ops
+    ) and all(reads_only(operand) for operand in (test.left, *test.comparators))
 
 
 def located(node: ast.AST, where: ast.AST) -> ast.AST:

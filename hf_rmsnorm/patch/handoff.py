@@ -146,6 +146,12 @@ def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Te
     return total
 
 
+def withdraw(call: LayerCall | None) -> None:
+    """Hands nothing on after all: code after the layer's output add may change the sum (``derived_sites``)."""
+    if call is not None:
+        call.normed_output = None
+
+
 def layers_with_next(layers) -> list[tuple[nn.Module, nn.Module | None]]:
     """Each layer the loop iterates with the one it iterates next (None after the last)."""
     items = list(layers)

@@ -7,6 +7,7 @@ and the report says which.
 """
 
 import copy
+import inspect
 import re
 import warnings
 
@@ -16,6 +17,7 @@ from family_cases import CASES, LAYERNORM, names
 from patch_models import reachable_modules
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from hf_rmsnorm import (
     UnconvertibleModelError,
@@ -446,15 +448,23 @@ def test_sequential_blocks_fuse_their_residual_adds(family):
 
 def test_gpt2_with_cross_attention_fuses_through_its_derived_forward():
     """GPT-2 with cross-attention is more than the registered block: its own forward, derived (``derived_rewrite.py``),
-    runs the cross-attention as written and hands its output add to the next norm."""
+    runs the cross-attention as written and hands its output add to the next norm. Its attention's add is moved
+    into both branches of ``if encoder_hidden_states is not None:`` (``derived_branches.py``): where the block does
+    not run, it goes into ``ln_2``; where it runs, its first statement is a check, not a norm, so the add stays
+    apart there, and the block's own add goes into ``ln_2``."""
     model = tiny("gpt2", add_cross_attention=True)
     x = ids(seed=4)
     encoder_states = torch.randn(x.shape[0], 5, model.config.n_embd, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         truth = model(x, encoder_hidden_states=encoder_states).logits
     report = patch_model(model)
-    assert report.fused_adds == ["transformer.h.0: layer output -> transformer.h.1.ln_1",
-                                 "transformer.h.1: layer output -> transformer.ln_f"]
+    lines, start = inspect.getsourcelines(GPT2Block.forward)
+    cross, attention = (next(start + k for k, text in enumerate(lines) if text.strip() == f"hidden_states = {add}")
+                        for add in ("residual + cross_attn_output", "attn_output + residual"))
+    assert report.fused_adds == [
+        *(f"transformer.h.{i}: residual add at line {line} (into ln_2) -> transformer.h.{i}.ln_2"
+          for i in range(2) for line in (cross, attention)),
+        "transformer.h.0: layer output -> transformer.h.1.ln_1", "transformer.h.1: layer output -> transformer.ln_f"]
     with torch.no_grad():
         got = model(x, encoder_hidden_states=encoder_states).logits
     assert err(got, truth) <= 1e-5 * truth.abs().max().item()
