@@ -72,7 +72,7 @@ import ast
 import types
 from dataclasses import dataclass, field
 
-from . import derived_source
+from . import derived_inline, derived_source
 from .derived_syntax import (
     COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents, reads_only,
     returned_sum, self_name, summed, walrus_targets,
@@ -221,6 +221,7 @@ class LayerAnalysis:
     plans: list[BeforePlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
     input_norm: FirstRead | None = None
     refusals: list[Refusal] = field(default_factory=list)
+    inlining: derived_inline.Inlining = field(default_factory=derived_inline.Inlining)
 
     def code(self) -> LayerCode:
         norm = self.input_norm.norm if self.input_norm is not None else None
@@ -258,8 +259,14 @@ def signature_problem(function: ast.FunctionDef) -> str | None:
 
 def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
              norms: frozenset[tuple[str, ...]]) -> LayerAnalysis:
-    """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms."""
-    return _Analysis(function, norms, plain_locals(forward.undecorated.__code__, function)).result
+    """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms, once its
+    calls of residual add functions are inlined (``derived_inline``: their fresh locals are plain)."""
+    inlining = derived_inline.inline_calls(forward, function)
+    plain = plain_locals(forward.undecorated.__code__, function) | inlining.names
+    result = _Analysis(function, norms, plain).result
+    result.refusals[:0] = [Refusal(text) for text in inlining.refusals]
+    result.inlining = inlining
+    return result
 
 
 def plain_locals(code: types.CodeType, function: ast.FunctionDef) -> frozenset[str]:
