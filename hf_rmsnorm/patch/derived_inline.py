@@ -16,8 +16,9 @@ local. Such a call is left as written, with the reason in the report (``Inlining
    statements only (no ``return`` but the last, no loop, ``try``, ``with``, ``global``, ``yield``, nested scope);
    no private name (``__x``: the class body the forward is compiled in would mangle it); no read of ``locals``,
    ``vars``, ``dir``, ``eval``, ``exec``, ``super`` or ``__class__`` (they would see the forward's frame); every
-   other name it reads but does not bind is a global of the module the forward is bound nowhere in the forward.
-   Its own names become fresh locals of the forward (``_hf_rmsnorm_<line>_<column>_<name>``).
+   other name it reads but does not bind (a global of the module, or a builtin) is bound nowhere in the forward,
+   so the forward looks it up where the function does. Its own names (parameters and locals) become fresh locals
+   of the forward (``_hf_rmsnorm_<line>_<column>_<name>``).
 3. *The add is its last computation*: ``T`` (if any) is ``p is None`` or ``p is not None`` of a parameter ``p`` no
    statement before it rebinds, so ``T`` is decided (running no code: ``is`` calls nothing) when the body starts.
 
@@ -44,15 +45,18 @@ default is used, 1), and when ``T`` holds (3). Then its body, run in the forward
 in its own: its parameters are bound to the same objects, its names are fresh locals nothing else binds, and every
 global it reads is looked up, at the same moment, in the same module's globals and builtins (2). The only
 differences are the frames: a traceback has the forward's frame where the function's would be, and it names the
-body's own lines (the new statements carry the call's position: ``derived_syntax.located``). This takes one more
-fact of the models: the functions the body calls do not inspect their caller's frame.
+lines of the code running (``derived_syntax.located``): the body's statements keep their own lines (the function
+is the forward's module's, so they are the forward's file's), each argument's binding its argument's position,
+the lookup, the add, the guard and the fallback the call's (the add's site is named by its call's line). This
+takes one more fact of the models: the functions the body calls do not inspect their caller's frame.
 
 ``derived_sites`` analyses the forward with every call inlined straight (the body, then ``rest``), and
 ``derived_rewrite`` rewrites it; the guard is put in afterwards (``Inlining.guard``). A rewrite that is exact on the
 straight code is exact in the first branch, which runs that code from the call on; every pattern's statements lie
-in one block from its add on (``derived_sites``), so none reaches back across the guard. The branch in which no
-add is fused (``else``) runs the original statements, and an output add left unfused hands nothing to the next
-layer (``handoff.add_residual`` is not called).
+in one block from its add on (``derived_sites``; the body calls no norm of the layer, so only its last add can
+start one), so none reaches back across the guard. The ``else`` branch runs the original statements: no add fused,
+an output add that hands nothing to the next layer (``handoff.add_residual`` is not called), an input norm that
+normalises its input itself.
 """
 
 from __future__ import annotations

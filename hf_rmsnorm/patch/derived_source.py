@@ -118,7 +118,7 @@ def compile_forward(forward: ClassForward, node: ast.FunctionDef, helpers: types
     defaults and keyword defaults those of the running function (keyword-only parameters the rewrite added keep
     their own), reaching ``helpers`` as ``HELPERS`` and each value of ``bound`` by its name, then decorated by the
     def's decorators."""
-    function = _compiled(forward.definer, node, helpers, bound or {})
+    function = _compiled(forward.definer, node, helpers, bound)
     function.__defaults__ = forward.undecorated.__defaults__
     function.__kwdefaults__ = {**(function.__kwdefaults__ or {}), **(forward.undecorated.__kwdefaults__ or {})}
     return _decorated(function, node.decorator_list, forward.definer)
@@ -306,9 +306,9 @@ def _built_from_source(definer: type, node: ast.FunctionDef) -> tuple[object, ty
 def _compiled(definer: type, node: ast.FunctionDef, helpers: types.ModuleType | None,
               bound: Mapping[str, object] | None = None) -> types.FunctionType:
     """``node`` without its decorators, compiled inside a class named as ``definer`` (so private names are mangled
-    as in its body) in a factory taking ``HELPERS`` (and the names of ``bound``), with its file's future features, run against its module's
-    globals (read live, never written: the factory is a local), under its file name and the file's positions.
-    Zero-argument ``super()`` gets ``definer``, as in its body."""
+    as in its body) in a factory taking ``HELPERS`` (and the names of ``bound``), with its file's future features,
+    run against its module's globals (read live, never written: the factory is a local), under its file name and
+    the file's positions. Zero-argument ``super()`` gets ``definer``, as in its body."""
     module = sys.modules[definer.__module__]
     filename = inspect.getsourcefile(module)
     tree = _parsed_file("".join(linecache.getlines(filename, module.__dict__)), filename)
