@@ -69,9 +69,10 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     if kind.input_norm is not None:
         for call in analysis.input_norm.calls:
             _replace(function, call, located(_handed_norm_call("input_norm", handoff.CALL_PARAM, call), call))
+    analysis.inlining.guard()  # after every rewrite: the guards take the rewritten statements
     function.args.kwonlyargs.append(located(ast.arg(handoff.CALL_PARAM), function))
     function.args.kw_defaults.append(located(ast.Constant(None), function))
-    return derived_source.compile_forward(forward, function, derived_runtime)
+    return derived_source.compile_forward(forward, function, derived_runtime, analysis.inlining.bound)
 
 
 def _rewrite_before(plan: BeforePlan) -> tuple[list[ast.stmt], ast.stmt, str]:

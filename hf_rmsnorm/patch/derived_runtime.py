@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from . import guard, handoff
+from . import derived_inline, guard, handoff
 from .families import NormKind
 
 
@@ -51,3 +51,5 @@ def stream_sum(call: handoff.LayerCall | None, a: Tensor, b: Tensor) -> Tensor:
 # The derived forwards call these too, as ``_hf_rmsnorm_derived.<name>`` (``handoff.py`` says what they do).
 input_norm, final_norm, withdraw = handoff.input_norm, handoff.final_norm, handoff.withdraw
 call_layer, layers_with_next = handoff.call_layer, handoff.layers_with_next
+# The guard of each inlined call of a residual add function (``derived_inline.py``).
+runs_inlined = derived_inline.runs_inlined

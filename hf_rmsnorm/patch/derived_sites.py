@@ -83,7 +83,7 @@ import ast
 import types
 from dataclasses import dataclass, field
 
-from . import derived_source
+from . import derived_inline, derived_source
 from .derived_branches import sink_adds
 from .derived_syntax import (
     COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents,
@@ -235,6 +235,7 @@ class LayerAnalysis:
     plans: list[BeforePlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
     input_norm: FirstRead | None = None
     refusals: list[Refusal] = field(default_factory=list)
+    inlining: derived_inline.Inlining = field(default_factory=derived_inline.Inlining)
 
     def code(self) -> LayerCode:
         norm = self.input_norm.norm if self.input_norm is not None else None
@@ -272,8 +273,17 @@ def signature_problem(function: ast.FunctionDef) -> str | None:
 
 def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
              norms: frozenset[tuple[str, ...]]) -> LayerAnalysis:
-    """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms."""
-    return _Analysis(function, norms, plain_locals(forward.undecorated.__code__, function)).result
+    """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms, once the
+    adds an ``if`` separates from their norms are moved into its branches (``derived_branches``), then its calls
+    of residual add functions inlined (``derived_inline``: their fresh locals are plain; inlined last, so that the
+    statements each inlined call guards stay where it put them)."""
+    plain = plain_locals(forward.undecorated.__code__, function)
+    sink_adds(function, norms, self_name(function), plain)
+    inlining = derived_inline.inline_calls(forward, function)
+    result = _Analysis(function, norms, plain | inlining.names).result
+    result.refusals[:0] = [Refusal(text) for text in inlining.refusals]
+    result.inlining = inlining
+    return result
 
 
 def plain_locals(code: types.CodeType, function: ast.FunctionDef) -> frozenset[str]:
@@ -298,7 +308,6 @@ class _Analysis:
     def __init__(self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> None:
         self.function, self.norms, self.plain = function, norms, plain
         self.self_name = self_name(function)
-        sink_adds(function, norms, self.self_name, plain)  # before anything reads the statements
         self.up = parents(function)
         self.result = LayerAnalysis()
         self._block(function.body, None, ())

@@ -35,6 +35,7 @@ import inspect
 import linecache
 import sys
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .instance_forwards import function_path
@@ -111,11 +112,13 @@ def class_forward(cls: type) -> ClassForward | str:
     return ClassForward(definer, copy.deepcopy(node), running, context.live_def)
 
 
-def compile_forward(forward: ClassForward, node: ast.FunctionDef, helpers: types.ModuleType) -> types.FunctionType:
+def compile_forward(forward: ClassForward, node: ast.FunctionDef, helpers: types.ModuleType,
+                    bound: Mapping[str, object] | None = None) -> types.FunctionType:
     """``node`` (``forward.node`` rewritten) compiled as ``forward``'s class body compiled the original, its
     defaults and keyword defaults those of the running function (keyword-only parameters the rewrite added keep
-    their own), reaching ``helpers`` as ``HELPERS``, then decorated by the def's decorators."""
-    function = _compiled(forward.definer, node, helpers)
+    their own), reaching ``helpers`` as ``HELPERS`` and each value of ``bound`` by its name, then decorated by the
+    def's decorators."""
+    function = _compiled(forward.definer, node, helpers, bound)
     function.__defaults__ = forward.undecorated.__defaults__
     function.__kwdefaults__ = {**(function.__kwdefaults__ or {}), **(forward.undecorated.__kwdefaults__ or {})}
     return _decorated(function, node.decorator_list, forward.definer)
@@ -191,19 +194,12 @@ def _cells(function: types.FunctionType) -> dict[str, object]:
 def _forward_def(definer: type) -> ast.FunctionDef | str:
     """The ``def forward`` of ``definer``'s class body, as its file holds it now (the tree is shared: copy before
     changing it), or why it cannot be read."""
-    module = sys.modules.get(definer.__module__)
     if "<locals>" in definer.__qualname__:
         return f"{definer.__qualname__} is defined inside a function: its source cannot be compiled apart"
-    try:
-        filename = inspect.getsourcefile(module)
-    except TypeError:
-        filename = None
-    if not filename:
-        return f"the source of {definer.__module__} cannot be read"
-    linecache.checkcache(filename)
-    tree = _parsed_file("".join(linecache.getlines(filename, module.__dict__)), filename)
-    if isinstance(tree, str):
-        return tree
+    source = _module_source(sys.modules.get(definer.__module__))
+    if isinstance(source, str):
+        return source
+    filename, tree = source
     statements: list[ast.stmt] = tree.body
     for name in definer.__qualname__.split("."):
         found = _last_binding(statements, name)
@@ -215,6 +211,51 @@ def _forward_def(definer: type) -> ast.FunctionDef | str:
     if not isinstance(found, ast.FunctionDef):
         return f"the body of {definer.__qualname__} in {filename} has no def forward"
     return found
+
+
+def _module_source(module: types.ModuleType | None) -> tuple[str, ast.Module] | str:
+    """The file name of ``module`` and the tree of its text as the file holds it now (shared: copy before changing
+    it), or why it cannot be read."""
+    try:
+        filename = inspect.getsourcefile(module)
+    except TypeError:
+        filename = None
+    if not filename:
+        return f"the source of {getattr(module, '__name__', module)} cannot be read"
+    linecache.checkcache(filename)
+    tree = _parsed_file("".join(linecache.getlines(filename, module.__dict__)), filename)
+    return tree if isinstance(tree, str) else (filename, tree)
+
+
+def module_function(function: types.FunctionType) -> ast.FunctionDef | str:
+    """The undecorated def at the top level of ``function``'s module that ``function`` is, as the file holds it
+    now, shown to compile (with the file's future features, as the module did) to ``function``'s very code; or why
+    it is not such a def. Its defaults are not read: what the caller derives from the def must not rely on them."""
+    module = sys.modules.get(function.__module__)
+    name = function.__code__.co_name
+    if module is None or function.__globals__ is not module.__dict__ or function.__code__.co_qualname != name:
+        return f"{function_path(function)} is no function defined at the top level of its module"
+    if function.__closure__ is not None:
+        return f"{function_path(function)} holds a closure"
+    source = _module_source(module)
+    if isinstance(source, str):
+        return source
+    filename, tree = source
+    node = _last_binding(tree.body, name)
+    if not isinstance(node, ast.FunctionDef) or node.decorator_list:
+        return f"the last binding of {name} in {filename} is no undecorated def"
+    imported, features = _module_facts(tree)
+    body: list[ast.stmt] = [copy.deepcopy(node)]
+    if imported:  # as in ``_compiled``: the names the module imports compile as imports
+        body.insert(0, ast.If(ast.Constant(False), [ast.Import([ast.alias("_", n) for n in imported])], []))
+        ast.copy_location(body[0], node)
+    code = compile(ast.fix_missing_locations(ast.Module(body, [])), filename, "exec", flags=features,
+                   dont_inherit=True)
+    compiled = next(c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+    if function.__code__.co_filename != filename or not _same_code(compiled, function.__code__):
+        return (f"the source of {function_path(function)} on disk is not the code running (its file changed since "
+                "it was imported, or its code was replaced)")
+    return node
 
 
 @functools.lru_cache(maxsize=16)
@@ -262,18 +303,20 @@ def _built_from_source(definer: type, node: ast.FunctionDef) -> tuple[object, ty
         return f"its source on disk does not build ({type(exc).__name__}: {exc})"[:300]
 
 
-def _compiled(definer: type, node: ast.FunctionDef, helpers: types.ModuleType | None) -> types.FunctionType:
+def _compiled(definer: type, node: ast.FunctionDef, helpers: types.ModuleType | None,
+              bound: Mapping[str, object] | None = None) -> types.FunctionType:
     """``node`` without its decorators, compiled inside a class named as ``definer`` (so private names are mangled
-    as in its body) in a factory taking ``HELPERS``, with its file's future features, run against its module's
-    globals (read live, never written: the factory is a local), under its file name and the file's positions.
-    Zero-argument ``super()`` gets ``definer``, as in its body."""
+    as in its body) in a factory taking ``HELPERS`` (and the names of ``bound``), with its file's future features,
+    run against its module's globals (read live, never written: the factory is a local), under its file name and
+    the file's positions. Zero-argument ``super()`` gets ``definer``, as in its body."""
     module = sys.modules[definer.__module__]
     filename = inspect.getsourcefile(module)
     tree = _parsed_file("".join(linecache.getlines(filename, module.__dict__)), filename)
     node = copy.copy(node)
     node.decorator_list = []
     holder = ast.ClassDef(_holder_name(definer, node), [], [], [node], [])
-    factory = ast.FunctionDef("_hf_rmsnorm_factory", _arguments(HELPERS), [
+    bound = bound or {}
+    factory = ast.FunctionDef("_hf_rmsnorm_factory", _arguments(HELPERS, *bound), [
         holder, ast.Return(ast.Attribute(ast.Name(holder.name, ast.Load()), node.name, ast.Load()))], [])
     body: list[ast.stmt] = [factory]
     # The compiler calls a module's attribute (``torch.arange(...)``) differently from an object's method when the
@@ -288,7 +331,7 @@ def _compiled(definer: type, node: ast.FunctionDef, helpers: types.ModuleType | 
                    dont_inherit=True)
     namespace: dict[str, object] = {}
     exec(code, module.__dict__, namespace)  # the imports are never run
-    function = namespace["_hf_rmsnorm_factory"](helpers)
+    function = namespace["_hf_rmsnorm_factory"](helpers, *bound.values())
     cell = dict(zip(function.__code__.co_freevars, function.__closure__ or ())).get("__class__")
     if cell is not None:  # the class statement set it to the holder
         cell.cell_contents = definer
