@@ -510,7 +510,9 @@ def first_read(statements: list[ast.stmt], names: set[str], self_name_: str,
     first reads them when the first statement naming them reads them once, as the argument of ``self.<norm>(x)``
     or ``self.<norm>(x.to(...))`` (any module call when ``norms`` is None), anywhere in that statement but a nested
     scope (invariant 1): nothing evaluated before it can reach the value; or, for an ``if`` that does not read them
-    in its test, when both branches begin so with the same norm. Unread when nothing names them, or a statement
+    in its test, when a branch begins so with a norm and the other begins so with the same norm or reads them
+    otherwise (Falcon's ``ln_attn`` and ``ln_mlp``, or its ``input_layernorm``). Only the norm's call is replaced
+    by what a previous layer hands on; the other branch reads the value itself, as the original does. Unread when nothing names them, or a statement
     rebinds the one name without reading it (its value can no longer reach anything). A statement that only copies
     them into a slice of another tensor (``out[...] = x``) does not count: it cannot change them."""
     for statement in statements:
@@ -518,9 +520,11 @@ def first_read(statements: list[ast.stmt], names: set[str], self_name_: str,
             branches = [first_read(b, set(names), self_name_, norms, up) for b in (statement.body, statement.orelse)]
             if not any(branch.read for branch in branches):
                 continue
-            if all(b.norm is not None for b in branches) and branches[0].norm == branches[1].norm:
-                return FirstRead(True, branches[0].norm, branches[0].calls + branches[1].calls)
-            return next((b for b in branches if b.reason is not None), FirstRead(True))
+            problem = next((b for b in branches if b.reason is not None), None)
+            normed = {b.norm for b in branches if b.norm is not None}
+            if problem is not None or len(normed) != 1:
+                return problem or FirstRead(True)
+            return FirstRead(True, normed.pop(), branches[0].calls + branches[1].calls)
         occurrences = [n for name in names for n in named_outside_tuples([statement], name)]
         if not occurrences or _copies_out(statement, names):
             continue
