@@ -47,7 +47,10 @@ def counting_launches(monkeypatch):
 def test_the_report_lists_each_attention_fused(name):
     report = patch_model(_model(name))
     assert len(report.fused_qk) == CASES[name].qk
-    assert not [reason for _, reason in report.skipped if reason.startswith(UNFUSED)]
+    assert not [reason for _, reason in report.skipped if reason.startswith(UNFUSED)] and not report.qk_apart
+    modules = "attention module" if CASES[name].qk == 1 else "attention modules"
+    assert str(report).splitlines()[0].endswith(
+        f"; q/k norms fused with the RoPE in {CASES[name].qk} {modules} (0 left apart)")
 
 
 @pytest.mark.parametrize("name", ["nanochat", "exaone4"])
@@ -55,7 +58,10 @@ def test_q_k_norms_of_another_order_are_reported(name):
     """NanoChat applies its RoPE before the norms; Exaone 4 applies it in a branch (sliding layers only)."""
     report = patch_model(_model(name))
     assert not report.fused_qk
-    assert any(reason.startswith(UNFUSED) for _, reason in report.skipped)
+    apart = [(module, reason) for module, reason in report.skipped if reason.startswith(UNFUSED)]
+    assert apart and report.qk_apart == apart
+    assert str(report).splitlines()[0].endswith(
+        f"; q/k norms fused with the RoPE in 0 attention modules ({len(apart)} left apart)")
 
 
 def _logits(model):
