@@ -100,14 +100,67 @@ def test_gradients_match_the_unpatched_model(name, checkpointing, monkeypatch):
         assert (grads[True][key] - grad).abs().max().item() <= 1e-4 * scale, key
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "olmo2"])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])  # "offloaded" needs CUDA
+# transformers' cache kinds (``generation_config.cache_implementation``) and where each is tested: "dynamic",
+# "static" and "paged" (continuous batching's paged cache) here; "quantized" (optimum-quanto's) where that package is
+# installed; "offloaded" and "offloaded_static", which prefetch each layer's keys and values on a CUDA stream, on a
+# GPU only. The other names are deprecated aliases of the static cache ("sliding_window", "hybrid",
+# "hybrid_chunked") or of the offloaded static one ("offloaded_hybrid", "offloaded_hybrid_chunked").
+CPU_CACHES = ["dynamic", "static", "paged"]
+GPU_CACHES = ["offloaded", "offloaded_static"]
+GENERATE_QK = ["qwen3", "gemma3_text", "olmo2"]
+
+
+@pytest.mark.parametrize("name", GENERATE_QK)
+@pytest.mark.parametrize("cache", CPU_CACHES)
 def test_generate_with_every_cache_kind(name, cache, monkeypatch):
     model = _model(name)
     model.generation_config.cache_implementation = None if cache == "dynamic" else cache
     with counting_launches(monkeypatch) as launches:
         assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
     assert launches[0] >= 4 * CASES[name].qk
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])  # transformers refuses it for Gemma 3's sliding layers
+def test_generate_with_the_quantized_cache(name, monkeypatch):
+    """optimum-quanto's 4-bit cache, requantizing past 2 recent tokens: the quantized keys are those of the fused
+    launch, and quantizing them gives the same tokens."""
+    pytest.importorskip("optimum.quanto", reason="the quantized cache needs optimum-quanto")
+    model = _model(name)
+    model.generation_config.cache_implementation = "quantized"
+    model.generation_config.cache_config = {"backend": "quanto", "nbits": 4, "residual_length": 2}
+    with counting_launches(monkeypatch) as launches:
+        assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
+    assert launches[0] >= 4 * CASES[name].qk
+
+
+def _generated(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate()``'s tokens and the logits of every step."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GENERATE_QK)
+@pytest.mark.parametrize("cache", GPU_CACHES)
+def test_generate_with_the_offloaded_caches_on_a_gpu(name, cache, monkeypatch):
+    """The offloaded caches keep every full-attention layer's keys and values on the CPU and prefetch the next
+    layer's to the GPU: patched and unpatched fp32 generation give the same tokens, each step's logits within 1e-5
+    of the largest, and the fused launch runs at every step of every layer. Gemma 3 gets a full-attention layer:
+    the offloaded dynamic cache keeps sliding layers on the GPU."""
+    overrides = {"layer_types": ["sliding_attention", "full_attention"]} if name == "gemma3_text" else {}
+    model = _model(name, **overrides).cuda()
+    model.generation_config.cache_implementation = cache
+    ids = input_ids(seq=6).cuda()
+    unpatched_tokens, unpatched_logits = _generated(model, ids)
+    patch_model(model)
+    with counting_launches(monkeypatch) as launches:
+        tokens, logits = _generated(model, ids)
+    assert launches[0] >= 4 * CASES[name].qk
+    assert torch.equal(tokens, unpatched_tokens)
+    scale = unpatched_logits.abs().max().item()
+    assert (logits - unpatched_logits).abs().max().item() <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("order", ["patch first", "lora first"])
