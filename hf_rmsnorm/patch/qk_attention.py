@@ -25,11 +25,12 @@ from .derived_syntax import located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_rope
 from .qk_sites import QKSite, SitePlan, module_calls, qk_site
+from .report import QK_APART
 
 # The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
 _INPUTS = ("_hf_rmsnorm_q", "_hf_rmsnorm_k")
-# What the report says first of an attention whose q/k site is not fused.
-UNFUSED = "q/k norms and RoPE not fused: "
+# What the report says first of an attention whose q/k site is not fused (``PatchReport.qk_apart`` reads it).
+UNFUSED = QK_APART
 
 
 @dataclass(frozen=True)

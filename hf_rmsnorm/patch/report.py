@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# What ``report.skipped`` says first of an attention module whose q/k norms and RoPE stay apart (``qk_attention``).
+QK_APART = "q/k norms and RoPE not fused: "
+
+
+def qk_summary(fused: int, apart: int) -> str:
+    """The summary's clause on the q/k norms + RoPE fusion: how many attention modules run their q/k norms and RoPE
+    as one launch, and how many were left apart (each listed, with its reason, among the skipped); empty for a
+    model with neither."""
+    if not fused and not apart:
+        return ""
+    modules = "attention module" if fused == 1 else "attention modules"
+    return f"; q/k norms fused with the RoPE in {fused} {modules} ({apart} left apart)"
+
 
 class UnsupportedModelError(ValueError):
     """``patch_model`` found nothing it can patch exactly; the model was left untouched."""
@@ -23,8 +36,9 @@ class PatchReport:
         fused_adds: the residual adds now computed inside a norm kernel, one line per add.
         fused_qk: the attention modules whose query and key norms and rotary embedding now run as one
             ``qk_norm_rope`` launch, one line each naming the norms and the RoPE function.
-        skipped: ``(qualified name, reason)`` for every norm-like module left alone and every decoder layer
-            whose residual adds stay unfused.
+        skipped: ``(qualified name, reason)`` for every norm-like module left alone, every decoder layer
+            whose residual adds stay unfused, and every attention module with two patched norms whose q/k norms
+            and RoPE stay apart (its reason starts with ``QK_APART``; ``qk_apart`` lists those).
         families: the model families whose norms were patched.
         converted: the ``nn.LayerNorm`` modules converted to RMSNorm (``layernorm="rmsnorm"`` only; also listed
             in ``norms``). By default LayerNorms stay LayerNorms, computed by the fused kernels.
@@ -48,6 +62,12 @@ class PatchReport:
     backend: str = ""
     hub_forwards: list[str] = field(default_factory=list)
 
+    @property
+    def qk_apart(self) -> list[tuple[str, str]]:
+        """The attention modules whose q/k norms and RoPE stay apart: ``(qualified name, reason)``, from
+        ``skipped``."""
+        return [(name, reason) for name, reason in self.skipped if reason.startswith(QK_APART)]
+
     def __str__(self) -> str:
         families = f" ({', '.join(self.families)})" if self.families else ""
         lines = [
@@ -56,6 +76,7 @@ class PatchReport:
         ]
         if self.converted:
             lines[0] += f"; {len(self.converted)} LayerNorms converted to RMSNorm"
+        lines[0] += qk_summary(len(self.fused_qk), len(self.qk_apart))
         if self.backend:
             lines.append(f"  runs on: {self.backend}")
         for title, items in (

@@ -444,8 +444,10 @@ def base_model_state_dict(peft_state_dict: dict[str, torch.Tensor]) -> dict[str,
 
 
 def patch_counts(report: PatchReport) -> PatchCounts:
-    """How many norms were patched, residual adds fused and modules skipped, for the metrics."""
-    return PatchCounts(norms=len(report.norms), fused_adds=len(report.fused_adds), skipped=len(report.skipped))
+    """How many norms were patched, residual adds and q/k norms + RoPE fused and modules skipped, for the
+    metrics."""
+    return PatchCounts(norms=len(report.norms), fused_adds=len(report.fused_adds), fused_qk=len(report.fused_qk),
+                       qk_apart=len(report.qk_apart), skipped=len(report.skipped))
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:

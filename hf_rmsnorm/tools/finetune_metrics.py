@@ -27,6 +27,8 @@ class PatchCounts(Record):
 
     norms: int
     fused_adds: int
+    fused_qk: int  # attention modules whose q/k norms and RoPE run as one launch (``PatchReport.fused_qk``)
+    qk_apart: int  # attention modules whose q/k norms and RoPE stay apart (``PatchReport.qk_apart``), in ``skipped``
     skipped: int
 
 

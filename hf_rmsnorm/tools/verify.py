@@ -29,6 +29,7 @@ import hf_rmsnorm
 
 from ..ops import backend
 from ..patch import UnsupportedModelError, check_model, patch_model, unpatch_model
+from ..patch.report import qk_summary
 from . import parity, verify_encoder, workload
 from .cli import InputError
 from .loading import DTYPES, is_encoder, load_encoder, load_model, parse_dtype, weights_source
@@ -198,7 +199,7 @@ def _header(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> list[s
         )
     families = f" ({', '.join(patch.families)})" if patch.families else ""
     lines += ["", f"Patch: {patch.norms} norms replaced{families}, {patch.fused_adds} residual adds fused, "
-              f"{patch.skipped} skipped"]
+              f"{patch.skipped} skipped{qk_summary(patch.fused_qk, patch.qk_apart)}"]
     lines += [f"  skipped {name}: {reason}" for name, reason in patch.skipped_modules]
     return lines
 
@@ -314,7 +315,8 @@ def _environment(device: torch.device) -> Environment:
 def _patch_summary(patch) -> PatchSummary:
     """The counted form of a ``PatchReport``."""
     return PatchSummary(
-        norms=len(patch.norms), fused_adds=len(patch.fused_adds), skipped=len(patch.skipped),
+        norms=len(patch.norms), fused_adds=len(patch.fused_adds), fused_qk=len(patch.fused_qk),
+        qk_apart=len(patch.qk_apart), skipped=len(patch.skipped),
         skipped_modules=list(patch.skipped), families=list(patch.families),
     )
 

@@ -53,6 +53,8 @@ class PatchSummary(Record):
 
     norms: int
     fused_adds: int
+    fused_qk: int  # attention modules whose q/k norms and RoPE run as one launch (``PatchReport.fused_qk``)
+    qk_apart: int  # attention modules whose q/k norms and RoPE stay apart; in ``skipped_modules``, with the reason
     skipped: int
     skipped_modules: list[tuple[str, str]]  # (qualified name, reason)
     families: list[str]

@@ -409,7 +409,8 @@ def test_qk_layernorms_run_exactly_and_stay_so_when_the_stream_is_converted():
     # Only the attention modules are skipped: Phi's partial-rotary code keeps its q/k norms and RoPE apart.
     assert [name for name, _ in report.skipped] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     assert all(reason.startswith("q/k norms and RoPE not fused") for _, reason in report.skipped)
-    assert str(report).splitlines()[0] == "hf_rmsnorm: 7 norms patched (Phi), 2 residual adds fused, 2 skipped"
+    assert str(report).splitlines()[0] == ("hf_rmsnorm: 7 norms patched (Phi), 2 residual adds fused, 2 skipped; "
+                                           "q/k norms fused with the RoPE in 0 attention modules (2 left apart)")
     assert err(logits(model, x), expected) <= 1e-5 * expected.abs().max().item()
     unpatch_model(model)
     report = patch_model(model, layernorm="rmsnorm")
@@ -417,7 +418,8 @@ def test_qk_layernorms_run_exactly_and_stay_so_when_the_stream_is_converted():
     # The q/k norms read no residual stream: they stay exact LayerNorms (LN(Ch) = LN(h) is not needed of them).
     assert "model.layers.0.self_attn.q_layernorm" not in report.converted
     assert text.splitlines()[0] == ("hf_rmsnorm: 7 norms patched (Phi), 2 residual adds fused, 2 skipped; "
-                                    "3 LayerNorms converted to RMSNorm")
+                                    "3 LayerNorms converted to RMSNorm; q/k norms fused with the RoPE in 0 attention "
+                                    "modules (2 left apart)")
     assert ("  parameters centred (once, by the conversion):\n    model.layers.0.self_attn.dense.weight\n"
             "    model.layers.0.self_attn.dense.bias\n") in text
     assert "  inputs centred on every forward (by the conversion):\n    model.layers.0\n" in text

@@ -47,7 +47,10 @@ def counting_launches(monkeypatch):
 def test_the_report_lists_each_attention_fused(name):
     report = patch_model(_model(name))
     assert len(report.fused_qk) == CASES[name].qk
-    assert not [reason for _, reason in report.skipped if reason.startswith(UNFUSED)]
+    assert not [reason for _, reason in report.skipped if reason.startswith(UNFUSED)] and not report.qk_apart
+    modules = "attention module" if CASES[name].qk == 1 else "attention modules"
+    assert str(report).splitlines()[0].endswith(
+        f"; q/k norms fused with the RoPE in {CASES[name].qk} {modules} (0 left apart)")
 
 
 @pytest.mark.parametrize("name", ["nanochat", "exaone4"])
@@ -55,7 +58,10 @@ def test_q_k_norms_of_another_order_are_reported(name):
     """NanoChat applies its RoPE before the norms; Exaone 4 applies it in a branch (sliding layers only)."""
     report = patch_model(_model(name))
     assert not report.fused_qk
-    assert any(reason.startswith(UNFUSED) for _, reason in report.skipped)
+    apart = [(module, reason) for module, reason in report.skipped if reason.startswith(UNFUSED)]
+    assert apart and report.qk_apart == apart
+    assert str(report).splitlines()[0].endswith(
+        f"; q/k norms fused with the RoPE in 0 attention modules ({len(apart)} left apart)")
 
 
 def _logits(model):
@@ -94,14 +100,67 @@ def test_gradients_match_the_unpatched_model(name, checkpointing, monkeypatch):
         assert (grads[True][key] - grad).abs().max().item() <= 1e-4 * scale, key
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "olmo2"])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])  # "offloaded" needs CUDA
+# transformers' cache kinds (``generation_config.cache_implementation``) and where each is tested: "dynamic",
+# "static" and "paged" (continuous batching's paged cache) here; "quantized" (optimum-quanto's) where that package is
+# installed; "offloaded" and "offloaded_static", which prefetch each layer's keys and values on a CUDA stream, on a
+# GPU only. The other names are deprecated aliases of the static cache ("sliding_window", "hybrid",
+# "hybrid_chunked") or of the offloaded static one ("offloaded_hybrid", "offloaded_hybrid_chunked").
+CPU_CACHES = ["dynamic", "static", "paged"]
+GPU_CACHES = ["offloaded", "offloaded_static"]
+GENERATE_QK = ["qwen3", "gemma3_text", "olmo2"]
+
+
+@pytest.mark.parametrize("name", GENERATE_QK)
+@pytest.mark.parametrize("cache", CPU_CACHES)
 def test_generate_with_every_cache_kind(name, cache, monkeypatch):
     model = _model(name)
     model.generation_config.cache_implementation = None if cache == "dynamic" else cache
     with counting_launches(monkeypatch) as launches:
         assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
     assert launches[0] >= 4 * CASES[name].qk
+
+
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])  # transformers refuses it for Gemma 3's sliding layers
+def test_generate_with_the_quantized_cache(name, monkeypatch):
+    """optimum-quanto's 4-bit cache, requantizing past 2 recent tokens: the quantized keys are those of the fused
+    launch, and quantizing them gives the same tokens."""
+    pytest.importorskip("optimum.quanto", reason="the quantized cache needs optimum-quanto")
+    model = _model(name)
+    model.generation_config.cache_implementation = "quantized"
+    model.generation_config.cache_config = {"backend": "quanto", "nbits": 4, "residual_length": 2}
+    with counting_launches(monkeypatch) as launches:
+        assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
+    assert launches[0] >= 4 * CASES[name].qk
+
+
+def _generated(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ``generate()``'s tokens and the logits of every step."""
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GENERATE_QK)
+@pytest.mark.parametrize("cache", GPU_CACHES)
+def test_generate_with_the_offloaded_caches_on_a_gpu(name, cache, monkeypatch):
+    """The offloaded caches keep every full-attention layer's keys and values on the CPU and prefetch the next
+    layer's to the GPU: patched and unpatched fp32 generation give the same tokens, each step's logits within 1e-5
+    of the largest, and the fused launch runs at every step of every layer. Gemma 3 gets a full-attention layer:
+    the offloaded dynamic cache keeps sliding layers on the GPU."""
+    overrides = {"layer_types": ["sliding_attention", "full_attention"]} if name == "gemma3_text" else {}
+    model = _model(name, **overrides).cuda()
+    model.generation_config.cache_implementation = cache
+    ids = input_ids(seq=6).cuda()
+    unpatched_tokens, unpatched_logits = _generated(model, ids)
+    patch_model(model)
+    with counting_launches(monkeypatch) as launches:
+        tokens, logits = _generated(model, ids)
+    assert launches[0] >= 4 * CASES[name].qk
+    assert torch.equal(tokens, unpatched_tokens)
+    scale = unpatched_logits.abs().max().item()
+    assert (logits - unpatched_logits).abs().max().item() <= 1e-5 * scale
 
 
 @pytest.mark.parametrize("order", ["patch first", "lora first"])
@@ -164,8 +223,8 @@ class _NonViewCounter(OpCounter):
         return func(*args, **(kwargs or {}))
 
 
-def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> int:
-    """Ops of one patched decoder layer of ``name`` in bf16, from models of 2 and 3 layers."""
+def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> collections.Counter[str]:
+    """Ops of one patched decoder layer of ``name`` in bf16, by name, from models of 2 and 3 layers."""
     totals = {}
     for depth in (2, 3):
         model = _model(name, torch.bfloat16, layers=depth)
@@ -180,7 +239,7 @@ def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> int:
             patch.setattr(qk_runtime, "qk_norm_rope", counter.count_kernels(qk_runtime.qk_norm_rope))
             with counter:
                 model(input_ids())
-        totals[depth] = sum(counter.counts.values())
+        totals[depth] = counter.counts
     return totals[3] - totals[2]
 
 
@@ -195,5 +254,40 @@ LAYER_OPS = {"qwen3": (26, 15), "gemma3_text": (34, 22), "olmo2": (28, 17)}
 @pytest.mark.parametrize("name", list(LAYER_OPS))
 def test_ops_of_a_patched_layer(name, monkeypatch):
     before, after = LAYER_OPS[name]
-    assert _layer_ops(name, monkeypatch, fuse_qk=False) == before
-    assert _layer_ops(name, monkeypatch, fuse_qk=True) == after
+    assert _layer_ops(name, monkeypatch, fuse_qk=False).total() == before
+    assert _layer_ops(name, monkeypatch, fuse_qk=True).total() == after
+
+
+# Gemma 3's 22 ops, by name (``hf_rmsnorm.kernel``: one Triton launch).
+GEMMA3_LAYER_OPS = {
+    "mm": 7, "hf_rmsnorm.kernel": 5, "cat": 2, "clone": 2, "scalar_tensor": 2, "where": 1,
+    "_scaled_dot_product_flash_attention_for_cpu": 1, "gelu": 1, "mul": 1,
+}
+
+
+def test_gemma3_layer_misses_its_goal_by_ops_of_its_own(monkeypatch):
+    """Issue 31's goal for a patched Gemma 3 layer is 21 ops; it dispatches 22, and none is the patch's to remove.
+
+    What the 22 are (inference, bf16, the tiny config: 4 query heads over 2 key/value heads, a sliding window):
+    - 7 ``mm``: the q, k, v and o projections and the MLP's gate, up and down;
+    - 5 launches: the four norms (input, post-attention, pre- and post-feedforward: the sandwich) and the one
+      ``qk_norm_rope``. Both residual adds already run inside a norm launch (the post-attention and
+      post-feedforward norms' ``norm_add``), and the q/k norms and RoPE are one launch: no add next to a norm is
+      left apart, no copy, ``contiguous`` or cast is added (the ``.contiguous()`` after the attention is a no-op
+      on SDPA's output), the ``scaling`` is SDPA's ``scale`` argument and Gemma 3 sets no attention softcapping;
+    - 2 ``cat``: the dynamic cache's update of the keys and values (the model's own);
+    - 5 of SDPA's own: ``repeat_kv``'s 2 copies (grouped key/value heads) and the 3 ops (2 ``scalar_tensor``, a
+      ``where``) that turn the sliding-window boolean mask into an additive one, inside
+      ``scaled_dot_product_attention`` on every call;
+    - SDPA itself, the MLP's ``gelu`` and its ``mul``.
+
+    The only ops of ours are the 5 launches, one per norm module plus one for both q/k norms. Going below would take
+    two norms in one launch: the post-attention norm, its residual add and the pre-feedforward norm of the sum (and
+    the post-feedforward norm, its add and the next layer's input norm). That chain can be computed exactly in one
+    row-wise kernel (each norm's rounding to bf16, the add's, then the next norm on the rounded sum, both sums
+    stored for the backward), but no such kernel exists: it needs a new operator (forward and backward, with its
+    fp64 tests) and a new layer pattern that hands the sum from one norm to the next, beyond the q/k work; nothing
+    short of it removes an op exactly. So the goal stays missed by one, with the reason in the README.
+    """
+    ops = _layer_ops("gemma3_text", monkeypatch, fuse_qk=True)
+    assert ops == GEMMA3_LAYER_OPS and ops.total() == LAYER_OPS["gemma3_text"][1] == 22

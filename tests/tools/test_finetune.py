@@ -285,7 +285,8 @@ def test_metrics_file_is_the_record_and_reads_back_whole(tmp_path):
     """``write_metrics`` writes ``FinetuneMetrics.to_dict`` (the --metrics-json file: one key per field, in the
     record's order) and ``from_dict`` reads it back, nested records included."""
     metrics = sample_metrics(
-        distributed_type="FSDP", num_processes=2, patch=PatchCounts(norms=5, fused_adds=4, skipped=1),
+        distributed_type="FSDP", num_processes=2,
+        patch=PatchCounts(norms=5, fused_adds=4, fused_qk=2, qk_apart=1, skipped=1),
         fsdp=ShardSizes(decoder_layers=2, decoder_params=1000, decoder_params_per_process=[500, 500]),
     )
     path = tmp_path / "out" / "metrics.json"
@@ -439,10 +440,15 @@ def test_saved_checkpoint_loads_without_hf_rmsnorm(ddp_runs, tmp_path):
 @pytest.mark.slow
 def test_lora_with_gradient_checkpointing_matches_unpatched(tmp_path, corpus):
     extra = ["--model", "tiny-qwen3", "--data", str(corpus), "--lora", "--gradient-checkpointing", *RUN_ARGS]
-    patched, _ = _finetune([sys.executable], tmp_path / "patched", extra)
+    patched, stdout = _finetune([sys.executable], tmp_path / "patched", extra)
     unpatched, _ = _finetune([sys.executable], tmp_path / "unpatched", [*extra, "--no-patch"])
     assert patched.num_processes == 1 and patched.lora and patched.gradient_checkpointing
     assert patched.patch.norms > 0
+    # Every attention runs its q/k norms and RoPE as one launch, LoRA on the projections or not: the summary and
+    # the metrics count them.
+    layers = build_preset("tiny-qwen3").config.num_hidden_layers
+    assert (patched.patch.fused_qk, patched.patch.qk_apart) == (layers, 0)
+    assert f"; q/k norms fused with the RoPE in {layers} attention modules (0 left apart)" in stdout, stdout
     _assert_same_losses(patched, unpatched)
     # The adapter the script started from: the same seed gives the same LoRA initialisation.
     initial = get_peft_model_state_dict(add_lora(build_preset("tiny-qwen3", seed=3), seed=3))

@@ -111,10 +111,20 @@ def test_compiled_generation_compares_compiled_unpatched_with_compiled_patched(m
 
 @pytest.mark.slow
 def test_cli_loads_a_save_pretrained_directory(tmp_path):
-    build_preset("tiny-qwen3", seed=3).save_pretrained(tmp_path / "model")
-    result = run_verify("--model", str(tmp_path / "model"), "--dtype", "bf16", *QUICK)
+    """A Qwen3 directory: the summary and the JSON count the attention modules whose q/k norms and RoPE run as one
+    launch (every layer's)."""
+    model = build_preset("tiny-qwen3", seed=3)
+    model.save_pretrained(tmp_path / "model")
+    layers = model.config.num_hidden_layers
+    result = run_verify("--model", str(tmp_path / "model"), "--dtype", "bf16", "--json", str(tmp_path / "r.json"),
+                        *QUICK)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Qwen3ForCausalLM" in result.stdout
+    patch_line = next(line for line in result.stdout.splitlines() if line.startswith("Patch: "))
+    assert patch_line.endswith(f"0 skipped; q/k norms fused with the RoPE in {layers} attention modules "
+                               "(0 left apart)"), patch_line
+    patch = json.loads((tmp_path / "r.json").read_text())["patch"]
+    assert (patch["fused_qk"], patch["qk_apart"]) == (layers, 0)
 
 
 def _load_script():
@@ -418,6 +428,22 @@ def test_speed_figures_and_report(monkeypatch):
     assert "row 1 first differs at token 2: unpatched gap 0.05" in text and "a near-tie" in text
     assert "[1] Q1?" in text and "patched:   'B1'" in text and "patched:   (identical)" in text
     assert "first differ in 1 rows, all at near-ties (ok)" in text
+
+
+def test_the_patch_summary_counts_the_q_k_fusion():
+    """The Patch line counts the attention modules fused and left apart; each one left apart is listed among the
+    skipped, with its reason. A model without q/k norms says nothing of them."""
+    from hf_rmsnorm.patch.report import QK_APART
+    from hf_rmsnorm.tools.verify import render
+
+    reason = f"{QK_APART}no statement Q, K = F(Q, K, cos, sin) follows the q/k norms"
+    patch = replace(sample_report().patch, fused_qk=3, qk_apart=1, skipped=2,
+                    skipped_modules=[("lm_head", "not a norm"), ("model.layers.3.self_attn", reason)])
+    lines = render(sample_report(patch=patch)).splitlines()
+    start = lines.index("Patch: 5 norms replaced (Llama), 4 residual adds fused, 2 skipped; q/k norms fused with "
+                        "the RoPE in 3 attention modules (1 left apart)")
+    assert lines[start + 2] == f"  skipped model.layers.3.self_attn: {reason}"
+    assert "Patch: 5 norms replaced (Llama), 4 residual adds fused, 1 skipped" in render(sample_report()).splitlines()
 
 
 def test_the_report_reads_back_from_its_json_document():
