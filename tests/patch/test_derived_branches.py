@@ -192,6 +192,26 @@ def test_a_branch_not_taken_after_the_output_add_keeps_the_handoff(monkeypatch):
     assert withdrawn == [] and sum("layer output" in line for line in report.fused_adds) == 2
 
 
+class _OneBranchOpeningLayer(ToyDecoderLayer):
+    """Falcon's opening: the input normalised in one branch, read otherwise in the other."""
+
+    def forward(self, hidden_states: torch.Tensor, raw: bool = False) -> torch.Tensor:
+        if raw:
+            normed = self.mixer(hidden_states)
+        else:
+            normed = self.input_layernorm(hidden_states)
+        residual = hidden_states
+        hidden_states = self.mlp(normed)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_an_input_norm_in_one_branch_takes_the_handoff_there(raw):
+    report = _assert_patched_runs_as_unpatched(toy_model(_OneBranchOpeningLayer, stack=_FlagStack), (raw,), ())
+    assert report.fused_adds == ["layers.0: layer output -> layers.1.input_layernorm", "layers.1: layer output -> norm"]
+
+
 class _LayerDropStack(ToyModel):
     """LayerDrop's loop: the layer call in an ``if``, some layers skipped."""
 

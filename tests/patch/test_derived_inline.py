@@ -305,11 +305,12 @@ def _tiny(model_type: str, dtype: torch.dtype = torch.float32, **fields) -> torc
 
 # (model type, config fields, the fused adds: (layer, "residual add" inside it or its "layer output" handed on))
 MODELS = {
-    # Parallel attention: one output add per layer; layer 0's input norm sits in an `if` whose other branch calls
-    # other norms, so only the last layer hands on (to ln_f).
-    "falcon": ("falcon", {}, [("transformer.h.1", "layer output")]),
+    # Parallel attention: one output add per layer, handed on (the next layer's input norm sits in one branch of an
+    # `if` whose other branch calls other norms).
+    "falcon": ("falcon", {}, [("transformer.h.0", "layer output"), ("transformer.h.1", "layer output")]),
     "falcon_sequential": ("falcon", dict(parallel_attn=False), [
-        ("transformer.h.0", "residual add"), ("transformer.h.1", "residual add"), ("transformer.h.1", "layer output")]),
+        ("transformer.h.0", "residual add"), ("transformer.h.1", "residual add"), ("transformer.h.0", "layer output"),
+        ("transformer.h.1", "layer output")]),
     "gpt_neox_japanese": ("gpt_neox_japanese", dict(intermediate_multiple_size=2), [
         ("gpt_neox_japanese.layers.0", "residual add"), ("gpt_neox_japanese.layers.1", "residual add"),
         ("gpt_neox_japanese.layers.0", "layer output"), ("gpt_neox_japanese.layers.1", "layer output")]),
