@@ -65,7 +65,10 @@ class _Census(TorchFunctionMode):
                 self.stream.add(id(tensor))
 
     def read_by_norm(self, tensor: object) -> None:
+        # Kept whatever its width (a q/k norm's input is narrower than the stream): a freed input's id, reused by a
+        # later add's result, would count that add as read by a norm.
         self.read_by_layer(tensor)
+        self.kept.append(tensor)
         self.norm_inputs.add(id(tensor))
 
     def made_by_norm(self, tensor: object) -> None:
