@@ -108,12 +108,12 @@ OVERRIDES: dict[str, dict] = {
                   attention_hidden_size=128, attention_head_dim=32, mamba_dt_rank=8),
 }
 # The encoder and encoder-decoder types the page's second table checks besides every masked-LM and seq2seq type:
-# those issue 30 names (the vision and text towers of CLIP and SigLIP are types of their own). T5 and its relatives
-# normalise with an RMSNorm of their own casting order, and are counted with the RMSNorm types of this table.
+# those issue 30 names (the vision and text towers of CLIP and SigLIP are types of their own). T5 normalises with an
+# RMSNorm of its own casting order: it is named here, and counted with the RMSNorm types in the table's other lines.
 NAMED_ENCODER_TYPES = (
     "bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
     "modernbert", "camembert", "vit", "clip_vision_model", "clip_text_model", "siglip_vision_model",
-    "siglip_text_model", "whisper", "bart", "mbart", "marian", "pegasus",
+    "siglip_text_model", "whisper", "bart", "mbart", "marian", "pegasus", "t5",
 )
 # The base-model classes of the towers that no auto mapping names.
 TOWER_CLASSES = {"siglip_text_model": "SiglipTextModel"}
