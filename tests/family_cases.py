@@ -133,7 +133,7 @@ CASES: dict[str, FamilyCase] = {
     ), norms=5, adds=0),
     "phi": FamilyCase("phi", {LAYERNORM}, NEOX_SHAPE, norms=3, adds=2, parallel=True),
     "falcon": FamilyCase("falcon", {LAYERNORM}, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
-                         norms=3, adds=2),
+                         norms=3, adds=2, parallel=True, derived_forward=True),
     # GPT-J's block took the generic parallel shape in transformers 5.24; before, no registered shape fits it and
     # it runs its derived forward (the report says why), handing its one add to the next norm all the same.
     "gptj": FamilyCase("gptj", {LAYERNORM}, dict(n_embd=64, n_layer=2, n_head=4, n_positions=64, rotary_dim=8),
