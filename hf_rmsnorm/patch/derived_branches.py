@@ -28,7 +28,9 @@ and XLNet adds its residual only when asked (``if residual: s = s + h``, then ``
 
 The statements after the ``if`` up to the norm's consumer (aliases ``r = s``, then the statement calling the norm
 on ``s``) go to the end of both branches, when ``s`` is the add just before the ``if`` or the last statement of a
-branch. The add just before the ``if`` goes to the top of both branches.
+branch, and the norm's output is not added to a residual right away (a sandwich layer's ``y = F(s); s2 = r + y``,
+which the ``after`` pattern fuses where it stands). The add just before the ``if`` goes to the top of both
+branches.
 
 **Why the forward computes the same.** Copying the statements that follow an ``if`` to the end of each of its
 branches changes nothing, whatever the test: each path runs the same statements in the same order. Moving the add
@@ -49,7 +51,9 @@ from __future__ import annotations
 import ast
 import copy
 
-from .derived_syntax import COMPREHENSIONS, module_call, past_aliases, summed, walrus_targets
+from .derived_syntax import (
+    COMPREHENSIONS, assigned_name, module_call, past_aliases, returned_sum, summed, walrus_targets,
+)
 
 
 def sink_adds(function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], self_name: str,
@@ -125,7 +129,7 @@ def _into_branches(statements: list[ast.stmt], i: int, parameters: _FixedParamet
     if end == len(statements) or not any(
         module_call(node, self_name) in norms and isinstance(node.args[0], ast.Name) and node.args[0].id == total
         for node in ast.walk(statements[end])
-    ):
+    ) or _adds_to_normed(statements, end):
         return 0
     moved = statements[i + 1:end + 1]
     branching.body.extend(copy.deepcopy(moved))
@@ -137,3 +141,17 @@ def _into_branches(statements: list[ast.stmt], i: int, parameters: _FixedParamet
     branching.body.insert(0, copy.deepcopy(add))
     branching.orelse.insert(0, add)
     return 1
+
+
+def _adds_to_normed(statements: list[ast.stmt], end: int) -> bool:
+    """Whether the norm's output is added to a residual right away (``s2 = r + F(s)``, or ``y = F(s)`` then ``s2 =
+    r + y``): ``derived_sites``' ``after`` pattern fuses that add where the statements stand, so they stay there
+    (a sandwich layer's branch sum normed before its residual add)."""
+    consumer = statements[end]
+    if (found := summed(consumer)) is not None and any(isinstance(o, ast.Call) for o in (found[1].left, found[1].right)):
+        return True
+    normed = assigned_name(consumer)
+    following = statements[end + 1] if end + 1 < len(statements) else None
+    add = (summed(following) or (None, returned_sum(following)))[1] if following is not None else None
+    return normed is not None and isinstance(add, ast.BinOp) and any(
+        isinstance(o, ast.Name) and o.id == normed for o in (add.left, add.right))

@@ -81,6 +81,29 @@ class _RebindingLayer(_CrossLayer):
         return hidden_states
 
 
+class _SandwichBranchLayer(ToyDecoderLayer):
+    """A branch sum normed, then added to the residual (Gemma 4's MoE block): the ``after`` pattern keeps that add;
+    nothing moves into the branch."""
+
+    def forward(self, hidden_states: torch.Tensor, flag: bool = True) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = self.mixer(hidden_states)
+        if flag:
+            hidden_states = hidden_states + self.mlp(hidden_states)
+        hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + hidden_states
+        return hidden_states
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_a_normed_branch_sum_added_to_the_residual_stays_where_it_is(flag):
+    after = AddSite("after", ("post_attention_layernorm",), _line(_SandwichBranchLayer, "hidden_states = residual +", 0))
+    assert after in sites(_SandwichBranchLayer)
+    report = _assert_patched_runs_as_unpatched(toy_model(_SandwichBranchLayer, stack=_FlagStack), (flag,), ())
+    assert sum("(after post_attention_layernorm)" in line for line in report.fused_adds) == 2
+
+
 class _FlagStack(ToyModel):
     """Passes one flag to every layer."""
 
