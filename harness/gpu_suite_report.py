@@ -138,7 +138,8 @@ def patch_counts(patch: PatchSummary) -> str:
     whose q/k norms run fused with the RoPE and those left apart."""
     counts = f"{patch.norms} norms, {patch.fused_adds} fused adds"
     if patch.fused_qk or patch.qk_apart:
-        counts += f", q/k norms fused with the RoPE in {patch.fused_qk} attention modules ({patch.qk_apart} apart)"
+        counts += (f", q/k norms fused with the RoPE in {patch.fused_qk} attention modules ({patch.qk_apart} left "
+                   "apart)")
     return counts
 
 

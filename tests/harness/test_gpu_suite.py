@@ -309,8 +309,8 @@ def test_summary_reports_the_scripts_figures():
     assert "| prefill-1b | timed out after 80 s |" in text
     # The patch's counts, the q/k norms fused with the RoPE among them where the model has q/k norms.
     assert "Parity: PASS; 33 norms, 32 fused adds.\n" in text
-    assert ("Parity: PASS; 145 norms, 72 fused adds, q/k norms fused with the RoPE in 36 attention modules (0 apart)."
-            in text)
+    assert ("Parity: PASS; 145 norms, 72 fused adds, q/k norms fused with the RoPE in 36 attention modules (0 left "
+            "apart).") in text
     # The embedding workload: an encoder's report, its tokens/s in the three states, and against issue 30's goal
     # (per token 1 ms unpatched, 0.833 ms patched, 0.8 ms norm-free: 83% of the norm-free gain).
     assert ("### embed-bert-base: bert-base-shape (109.5M parameters, bf16, embedding forward of 32 x 128 tokens, "
