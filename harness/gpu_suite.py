@@ -207,7 +207,8 @@ SECTIONS: tuple[Section, ...] = (
     _generate("generate-1b-compiled", "second", "generate() compiled (static cache, CUDA graphs), "
               "llama-3.2-1b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 240, "llama-3.2-1b-shape",
               compiled=True),
-    # third: FSDP2, LayerNorm, and the diagnostics.
+    # third: FSDP2, LayerNorm (kernels, a LayerNorm decoder, a BERT-base-shaped encoder), prefill, and the q/k
+    # norms fused with the RoPE.
     _train("train-1b-fsdp-patched", "third", 100, "--fsdp"),
     _train("train-1b-fsdp-unpatched", "third", 100, "--fsdp", "--no-patch"),
     # RMSNorm against LayerNorm: the same shapes through each fused kernel and each eager op, and a LayerNorm
@@ -217,12 +218,19 @@ SECTIONS: tuple[Section, ...] = (
            "hf_rmsnorm hf_layernorm torch_rms_norm torch_layer_norm", "fwd bwd"),
     _generate("generate-pythia-1b", "third", "generate(), pythia-1b-shape (GPT-NeoX, LayerNorms), bf16, batch 1, "
               "128-token prompt, 256 new tokens", 150, "pythia-1b-shape"),
-    Section("profile", "third", "where the time goes: a 4096 x 2048 norm forward + backward, then generate() "
-            "unpatched and patched on llama-3.2-1b-shape, 2048-token prompt, 16 decode steps (tables in log.txt)",
-            90, ("{py}", "scripts/profile_gpu.py", "--model", "{model}", "--prompt-len", "{prompt_len}",
-                 "--decode-tokens", "{decode_tokens}"),
-            {"model": size("llama-3.2-1b-shape", "tiny-llama"), "prompt_len": size("2048", "8"),
-             "decode_tokens": size("16", "2")}),
+    # Issue 30's GPU goal: the embedding workload of a BERT-base-shaped encoder (post-LN layers: every add feeds a
+    # LayerNorm), verify.py's encoder path. Parity on 8 right-padded rows of up to 128 tokens (hidden states and
+    # sentence embeddings), then forwards of 32 x 128 tokens, the three states interleaved, the JSON rewritten after
+    # every round. One forward is a few ms and a round's state changes (patch, unpatch) ~0.1 s, so 20 rounds cost
+    # ~2 s and steady the median.
+    Section("embed-bert-base", "third", "embedding forward, bert-base-shape (post-LN), bf16, 32 x 128 tokens, "
+            "unpatched, patched and norm-free interleaved", 90,
+            ("{py}", "scripts/verify.py", "--dtype", "bf16", "--json", "{work}/embed-bert-base.json", "--model",
+             "{model}", "--device", "{device}", "--batch-size", "{parity_rows}", "--prompt-len", "{parity_tokens}",
+             "--repeats", "{repeats}"),
+            {"model": size("bert-base-shape", "tiny-bert"), "device": size("cuda", "cpu"),
+             "parity_rows": size("8", "2"), "parity_tokens": size("128", "8"), "repeats": size("20", "1")},
+            ("embed-bert-base.json",)),
     _generate("prefill-1b", "third", "generate(), llama-3.2-1b-shape, bf16, batch 1, 2048-token prompt, 4 new "
               "tokens", 80, "llama-3.2-1b-shape", prompt_len=2048, new_tokens=4),
     # The q/k norms fused with the RoPE (qk_norm_rope) against an unpatched Qwen3 attention's norms and RoPE.
@@ -239,9 +247,15 @@ SECTIONS: tuple[Section, ...] = (
     _generate("generate-qwen3-8b", "third", "generate(), qwen3-8b-shape (q/k norms fused with the RoPE), bf16, "
               "batch 1, 128-token prompt, 128 new tokens", 120, "qwen3-8b-shape", new_tokens=128,
               toy_model="tiny-qwen3"),
-    # fourth: compiled generation at 8B, and the comparisons measured before.
+    # fourth: compiled generation at 8B, the profile, and the comparisons measured before.
     _generate("generate-8b-compiled", "fourth", "generate() compiled (static cache, CUDA graphs), llama-3-8b-shape, "
               "bf16, batch 1, 128-token prompt, 256 new tokens", 300, "llama-3-8b-shape", compiled=True),
+    Section("profile", "fourth", "where the time goes: a 4096 x 2048 norm forward + backward, then generate() "
+            "unpatched and patched on llama-3.2-1b-shape, 2048-token prompt, 16 decode steps (tables in log.txt)",
+            90, ("{py}", "scripts/profile_gpu.py", "--model", "{model}", "--prompt-len", "{prompt_len}",
+                 "--decode-tokens", "{decode_tokens}"),
+            {"model": size("llama-3.2-1b-shape", "tiny-llama"), "prompt_len": size("2048", "8"),
+             "decode_tokens": size("16", "2")}),
     _bench("kernels-fp16", "fourth", "fused add + RMSNorm bandwidth, fp16, 16384 rows", 60,
            "fp16", "16384", "2048 4096 8192 16384", BASELINES, "fwd bwd"),
     _bench("kernels-compile", "fourth", "fused add + RMSNorm against torch.compile of HF's norm, bf16, 16384 rows",

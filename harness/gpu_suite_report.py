@@ -17,7 +17,7 @@ from typing import Any
 
 from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.norm_free import ORACLE_NOTE, format_share, gain_share
-from hf_rmsnorm.tools.verify_report import VerifyReport
+from hf_rmsnorm.tools.verify_report import EncoderVerifyReport, PatchSummary, VerifyReport
 
 from . import gpu_ledger
 
@@ -61,9 +61,38 @@ LAUNCH_LINE_PREFIXES = ("launch cost", "  rows", "host us per decode call")
 # optionally "<pair>-norm-free" (the oracle: the most any norm kernel could save).
 TRAIN_PAIRS = ("train-1b", "train-1b-fsdp")
 TRAIN_RUNS = ("patched", "unpatched", "norm-free")  # train_lines' arguments, in order
+# The columns of a verify.py section's speed table.
+SPEED_HEADER = ("", "unpatched", "patched", "speedup", "norm-free", "norm-free speedup",
+                "share of the norm-free gain")
+# Sections that run verify.py, whose JSON is its report (an encoder's says so in its "kind").
+VERIFY_SECTIONS = ("generate", "prefill", "embed")
 # Sections whose JSON is a file of the checkout, copied into the output folder as written, ready to commit:
 # "tune" writes tuned_plans.json (hf_rmsnorm/ops/tuned_plans.json).
 COMMITTED_SECTIONS = ("tune",)
+
+
+@dataclass(frozen=True)
+class SpeedGoal:
+    """An open issue's speed goal for one section's workload: the patched model's speedup over the unpatched one,
+    and the share of the norm-free model's gain it delivers (``norm_free.gain_share``)."""
+
+    issue: int
+    min_speedup: float
+    min_gain_share: float
+
+    def line(self, speedup: float, share: float | None) -> str:
+        """What the figures say against the goal, in one line."""
+        def verdict(met: bool) -> str:
+            return "met" if met else "not met"
+
+        return (f"Goal (issue {self.issue}): at least {self.min_speedup:.2f}x unpatched and "
+                f"{format_share(self.min_gain_share)} of the norm-free gain: {speedup:.3f}x "
+                f"({verdict(speedup >= self.min_speedup)}), {format_share(share)} "
+                f"({verdict(share is not None and share >= self.min_gain_share)}).")
+
+
+# The sections whose figures the summary holds against an issue's goal.
+GOALS = {"embed-bert-base": SpeedGoal(issue=30, min_speedup=1.15, min_gain_share=0.75)}
 
 
 def _table(header: tuple[str, ...], rows: list[tuple[Any, ...]]) -> list[str]:
@@ -104,20 +133,38 @@ def kernel_lines(name: str, bench: dict) -> list[str]:
     return lines
 
 
-def generate_lines(name: str, report: VerifyReport) -> list[str]:
-    """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
-    speed, settings = report.speed, report.settings
-    rounds = speed.rounds if speed else settings.repeats
-    lines = [f"### {name}: {report.model} ({report.parameters / 1e9:.2f}B parameters, {report.dtype}, "
-             f"batch {settings.batch_size}, prompt {settings.prompt_len}, {settings.max_new_tokens} new "
-             f"tokens, median of {rounds}; {report.environment.device_name})", "",
-             f"Parity: {'PASS' if report.passed else 'FAIL'}; {report.patch.norms} norms, "
-             f"{report.patch.fused_adds} fused adds.", ""]
+def patch_counts(patch: PatchSummary) -> str:
+    """What the patch replaced, counted: norms, fused adds and, for a model with q/k norms, the attention modules
+    whose q/k norms run fused with the RoPE and those left apart."""
+    counts = f"{patch.norms} norms, {patch.fused_adds} fused adds"
+    if patch.fused_qk or patch.qk_apart:
+        counts += (f", q/k norms fused with the RoPE in {patch.fused_qk} attention modules ({patch.qk_apart} left "
+                   "apart)")
+    return counts
+
+
+def _verify_head(title: str, report: VerifyReport | EncoderVerifyReport, repeats: int | None) -> list[str]:
+    """The lines of a verify.py section before its speed table: the heading (``title``), parity's verdict with the
+    patch's counts, and how far the timing of ``repeats`` rounds went (all of a section without speed figures)."""
+    speed = report.speed
+    lines = [title, "", f"Parity: {'PASS' if report.passed else 'FAIL'}; {patch_counts(report.patch)}.", ""]
     if not speed:
         stopped = "the run ended before its first timed round" if report.environment.device == "cuda" else "no GPU"
         return lines + [f"No speed figures ({stopped}).", ""]
     if speed.partial:
-        lines += [f"Partial: the run was stopped after {speed.rounds} of {settings.repeats} timed rounds.", ""]
+        lines += [f"Partial: the run was stopped after {speed.rounds} of {repeats} timed rounds.", ""]
+    return lines[:-1] + [f"States timed interleaved; {speed.norm_free_note}.", ""]
+
+
+def generate_lines(name: str, report: VerifyReport) -> list[str]:
+    """Prefill and decode throughput, unpatched and patched, with parity's verdict."""
+    speed, settings = report.speed, report.settings
+    rounds = speed.rounds if speed else settings.repeats
+    lines = _verify_head(f"### {name}: {report.model} ({report.parameters / 1e9:.2f}B parameters, {report.dtype}, "
+                         f"batch {settings.batch_size}, prompt {settings.prompt_len}, {settings.max_new_tokens} new "
+                         f"tokens, median of {rounds}; {report.environment.device_name})", report, settings.repeats)
+    if not speed:
+        return lines
     unpatched, patched, free, oracle = speed.unpatched, speed.patched, speed.norm_free, speed.norm_free_speedups
     rows = [
         ("prefill tokens/s", f"{unpatched.prefill_tokens_per_s:.1f}", f"{patched.prefill_tokens_per_s:.1f}",
@@ -129,9 +176,25 @@ def generate_lines(name: str, report: VerifyReport) -> list[str]:
         ("peak memory GiB beyond weights", f"{unpatched.peak_memory_bytes / 2**30:.2f}",
          f"{patched.peak_memory_bytes / 2**30:.2f}", "", f"{free.peak_memory_bytes / 2**30:.2f}", "", ""),
     ]
-    header = ("", "unpatched", "patched", "speedup", "norm-free", "norm-free speedup", "share of the norm-free gain")
-    lines = lines[:-1] + [f"States timed interleaved; {speed.norm_free_note}.", ""]
-    return lines + _table(header, rows)
+    return lines + _table(SPEED_HEADER, rows)
+
+
+def encoder_lines(name: str, report: EncoderVerifyReport) -> list[str]:
+    """The embedding workload's tokens/s, unpatched, patched and norm-free, with parity's verdict (hidden states
+    and sentence embeddings) and, for a section of ``GOALS``, what the figures say against its goal."""
+    speed, settings = report.speed, report.settings
+    rounds = speed.rounds if speed else settings.repeats
+    lines = _verify_head(f"### {name}: {report.model} ({report.parameters / 1e6:.1f}M parameters, {report.dtype}, "
+                         f"embedding forward of {settings.speed_batch_size} x {settings.speed_tokens} tokens, median "
+                         f"of {rounds}; {report.environment.device_name})", report, settings.repeats)
+    if not speed:
+        return lines
+    lines += _table(SPEED_HEADER, [
+        ("tokens/s", f"{speed.unpatched_tokens_per_s:.0f}", f"{speed.patched_tokens_per_s:.0f}",
+         f"{speed.speedup:.3f}x", f"{speed.norm_free_tokens_per_s:.0f}", f"{speed.norm_free_speedup:.3f}x",
+         format_share(speed.gain_share))])
+    goal = GOALS.get(name)
+    return lines + ([goal.line(speed.speedup, speed.gain_share), ""] if goal else [])
 
 
 def train_lines(name: str, patched: FinetuneMetrics | None, unpatched: FinetuneMetrics | None,
@@ -213,8 +276,9 @@ def summary(outcomes: list[Outcome], run: SuiteRun) -> str:
             launch = [line for line in output.splitlines() if line.startswith(LAUNCH_LINE_PREFIXES)]
             if launch:
                 lines += ["Host and GPU time per decode-sized call:", "", "```", *launch, "```", ""]
-        if name.startswith(("generate", "prefill")) and (report := data[name].get(name)):
-            lines += generate_lines(name, VerifyReport.from_dict(report))
+        if name.startswith(VERIFY_SECTIONS) and (report := data[name].get(name)):
+            lines += (encoder_lines(name, EncoderVerifyReport.from_dict(report)) if report.get("kind") == "encoder"
+                      else generate_lines(name, VerifyReport.from_dict(report)))
     for pair in TRAIN_PAIRS:
         lines += train_lines(pair, *(_train_metrics(data, f"{pair}-{run}") for run in TRAIN_RUNS))
     return "\n".join(lines)

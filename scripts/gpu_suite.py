@@ -10,8 +10,10 @@ first: the kernel tests on the card, the kernels from hidden 2048 to 65536 with 
 backward at 16384, decode-sized calls and host time per call, generate() on the Llama-3.2-1B shape (unpatched,
 patched and norm-free), and training steps patched, unpatched and norm-free; second: the tuning sweep,
 generate() on the Llama-3-8B shape and compiled generation on the 1B shape; third: FSDP2 training, RMSNorm against
-LayerNorm (kernels, and a Pythia-1B-shaped decoder's generate()), the profile and prefill at 2048 tokens; fourth:
-compiled generation on the 8B shape, fp16 kernels, the kernels against torch.compile and the offline install.
+LayerNorm (kernels, and a Pythia-1B-shaped decoder's generate()), a BERT-base-shaped encoder's embedding forward
+(issue 30's goal), prefill at 2048 tokens and the q/k norms fused with the RoPE (kernels, Qwen3-8B-shaped
+generate()); fourth: compiled generation on the 8B shape, the profile, fp16 kernels, the kernels against
+torch.compile and the offline install.
 Each section is a subprocess under its own time limit; --only picks sections by name. DIR gets summary.md (which
 plan ran, the figures as tables, the changes still awaiting a GPU measurement), results.json, log.txt,
 kernels.png, and the files to commit: tuned_plans.json, gpu_pending.json and gpu_section_costs.json. The wheels

@@ -1,15 +1,18 @@
-"""A whole ``verify`` report of made-up figures, for the tests of what reads one (``verify.render``, the GPU
-suite's summary)."""
+"""Whole ``verify`` reports of made-up figures, a decoder's and an encoder's, for the tests of what reads one
+(``verify.render``, the GPU suite's summary)."""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import torch
 
-from hf_rmsnorm.tools import parity, workload
+from hf_rmsnorm.tools import parity, verify_encoder, workload
 from hf_rmsnorm.tools.verify import _speed_report
 from hf_rmsnorm.tools.verify_report import (
+    EncoderSettings,
+    EncoderVerifyReport,
     Environment,
     GeneratedText,
     NormOutputAgreement,
@@ -52,5 +55,24 @@ def sample_report(**changes) -> VerifyReport:
         rule=VERDICT_RULE,
         speed=speed_report(SpeedFigures(1000.0, 80.0, 2**30), SpeedFigures(1100.0, 100.0, 2**30),
                            SpeedFigures(1250.0, 120.0, 2**30)),
+    )
+    return dataclasses.replace(report, **changes)
+
+
+def sample_encoder_report(**changes) -> EncoderVerifyReport:
+    """A GPU run's report of a bf16 encoder that passed (patched hidden states equal to the unpatched ones), with
+    ``changes`` (``EncoderVerifyReport`` fields) applied."""
+    hidden = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    base = sample_report()
+    report = EncoderVerifyReport(
+        kind="encoder", passed=True, failure=None, model="e", model_class="BertModel",
+        weights="random weights (seed 0)", parameters=10**6, dtype="bf16",
+        settings=EncoderSettings(parity_batch_size=2, parity_tokens=4, speed_batch_size=32, speed_tokens=128,
+                                 repeats=2, seed=0),
+        environment=base.environment, patch=replace(base.patch, families=["LayerNorm"]),
+        parity=verify_encoder.compare(hidden, hidden.clone(), hidden, mask, torch.bfloat16),
+        norm_outputs=base.norm_outputs, rule=verify_encoder.ENCODER_VERDICT_RULE,
+        speed=verify_encoder.speed_report({"unpatched": 1000.0, "patched": 1200.0, "norm_free": 1250.0}, rounds=2),
     )
     return dataclasses.replace(report, **changes)

@@ -37,6 +37,8 @@ from .norm_free import ORACLE_NOTE, format_share, fused_ropes, gain_share, norm_
 from .norm_outputs import compare_norm_outputs, recorded_norm_calls
 from .speed import ModelState, SpeedFigures, measure_states, speedups
 from .verify_report import (
+    EncoderSettings,
+    EncoderVerifyReport,
     Environment,
     GeneratedText,
     ParityReport,
@@ -97,9 +99,9 @@ def _compiled(settings: WorkloadSettings) -> str:
     return f" compiled (static cache, torch.compile mode {mode})" if mode else ""
 
 
-def render(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> str:
+def render(report: VerifyReport | EncoderVerifyReport) -> str:
     """The human-readable report printed on stdout."""
-    if isinstance(report, verify_encoder.EncoderVerifyReport):
+    if isinstance(report, EncoderVerifyReport):
         return render_encoder(report)
     env, patch, par, speed, settings = report.environment, report.patch, report.parity, report.speed, report.settings
     lines = _header(report)
@@ -184,7 +186,7 @@ def render(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> str:
     return "\n".join(lines)
 
 
-def _header(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> list[str]:
+def _header(report: VerifyReport | EncoderVerifyReport) -> list[str]:
     """The lines every report starts with: the model, the environment and the patch summary."""
     env, patch = report.environment, report.patch
     lines = [
@@ -204,7 +206,7 @@ def _header(report: VerifyReport | verify_encoder.EncoderVerifyReport) -> list[s
     return lines
 
 
-def render_encoder(report: verify_encoder.EncoderVerifyReport) -> str:
+def render_encoder(report: EncoderVerifyReport) -> str:
     """The human-readable report of an encoder's run."""
     par, speed, settings, norms = report.parity, report.speed, report.settings, report.norm_outputs
     lines = _header(report) + [
@@ -322,8 +324,8 @@ def _patch_summary(patch) -> PatchSummary:
 
 
 def run_encoder(config: VerifyConfig, device: torch.device,
-                on_report: Callable[[verify_encoder.EncoderVerifyReport], object] | None = None,
-                ) -> verify_encoder.EncoderVerifyReport:
+                on_report: Callable[[EncoderVerifyReport], object] | None = None,
+                ) -> EncoderVerifyReport:
     """``run`` for an encoder (``loading.is_encoder``): hidden-state and embedding parity, and on a GPU the
     embedding workload's speed (``verify_encoder``'s docstring). ``on_report`` as for ``run``.
 
@@ -343,11 +345,11 @@ def run_encoder(config: VerifyConfig, device: torch.device,
     patch, patched, norm_agreement = _patched(model, norm_calls, on_gpu, forward, "hidden states")
     result = verify_encoder.compare(eager, patched, reference, prompts.attention_mask, dtype)
     failure = None if patch.norms else "nothing was patched, so parity proves nothing"
-    report = verify_encoder.EncoderVerifyReport(
+    report = EncoderVerifyReport(
         kind="encoder", passed=result.passed and failure is None, failure=failure, model=config.model,
         model_class=type(model).__name__, weights=weights_source(config.model, model, config.seed),
         parameters=sum(p.numel() for p in model.parameters()), dtype=dtype_name,
-        settings=verify_encoder.EncoderSettings(
+        settings=EncoderSettings(
             parity_batch_size=int(prompts.input_ids.shape[0]), parity_tokens=int(prompts.input_ids.shape[1]),
             speed_batch_size=verify_encoder.EMBEDDING_BATCH, speed_tokens=verify_encoder.EMBEDDING_TOKENS,
             repeats=config.repeats if on_gpu else None, seed=config.seed),
@@ -430,7 +432,7 @@ def _speed_report(figures: dict[str, SpeedFigures], rounds: int, partial: bool =
 
 def run(config: VerifyConfig, device: torch.device,
         on_report: Callable[[VerifyReport], object] | None = None,
-        ) -> VerifyReport | verify_encoder.EncoderVerifyReport:
+        ) -> VerifyReport | EncoderVerifyReport:
     """Loads, checks, runs, patches and compares; returns the report. An encoder (``loading.is_encoder``) takes
     ``run_encoder``.
 
@@ -530,7 +532,7 @@ def run(config: VerifyConfig, device: torch.device,
     return dataclasses.replace(report, speed=_speed_report(figures, config.repeats))
 
 
-def write_json(report: VerifyReport | verify_encoder.EncoderVerifyReport, path: Path) -> None:
+def write_json(report: VerifyReport | EncoderVerifyReport, path: Path) -> None:
     """Writes ``report``'s JSON document to ``path`` whole or not at all (a temporary file renamed over it), so a
     run stopped while writing leaves the previous document, never half of one."""
     temporary = path.with_name(path.name + ".tmp")
@@ -538,7 +540,7 @@ def write_json(report: VerifyReport | verify_encoder.EncoderVerifyReport, path: 
     os.replace(temporary, path)
 
 
-def verify(config: VerifyConfig, device: torch.device) -> VerifyReport | verify_encoder.EncoderVerifyReport:
+def verify(config: VerifyConfig, device: torch.device) -> VerifyReport | EncoderVerifyReport:
     """``run``, then the report printed on stdout; returns it. With ``config.json`` the report is written there as
     JSON, also as it stands before the timing and after every timed round (``run``'s ``on_report``)."""
     path = None if config.json is None else config.json.expanduser().absolute()

@@ -25,16 +25,14 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .norm_free import ORACLE_NOTE, gain_share
-from .records import Record
 from .speed import ModelState
-from .verify_report import Environment, NormOutputAgreement, PatchSummary
+from .verify_report import EncoderParity, EncoderSpeed, EncoderVerifyReport
 from .verify_settings import ACCURACY_SLACK
 from .workload import Prompts, make_prompts
 
@@ -48,84 +46,6 @@ ENCODER_VERDICT_RULE = (
     "(every real token) and on the sentence embeddings (the hidden states mean-pooled over each row's real tokens, "
     "L2-normalised), and every value is finite."
 )
-
-
-@dataclass
-class EncoderSettings(Record):
-    """What the run computed on."""
-
-    parity_batch_size: int
-    parity_tokens: int  # the padded width of the parity batch (rows are right-padded to it)
-    speed_batch_size: int
-    speed_tokens: int
-    repeats: int | None  # None: nothing was timed (no GPU)
-    seed: int
-
-
-@dataclass
-class EncoderParity(Record):
-    """The unpatched and the patched encoder against the reference, and against each other."""
-
-    DERIVED: ClassVar[tuple[str, ...]] = ("passed",)
-
-    dtype: str
-    reference_dtype: str
-    positions: int  # real tokens in the parity batch
-    # Last hidden state, every real token.
-    unpatched_hidden_max_err: float
-    unpatched_hidden_mean_err: float
-    patched_hidden_max_err: float
-    patched_hidden_mean_err: float
-    hidden_max_abs_diff: float  # patched against unpatched
-    hidden_equal_fraction: float
-    # Sentence embeddings (mean-pooled, L2-normalised).
-    unpatched_embedding_mean_err: float
-    patched_embedding_mean_err: float
-    unpatched_min_cosine: float  # the lowest cosine similarity of a row's embedding with the reference's
-    patched_min_cosine: float
-    hidden_ok: bool
-    embeddings_ok: bool
-
-    @property
-    def passed(self) -> bool:
-        """The verdict: both rules hold."""
-        return self.hidden_ok and self.embeddings_ok
-
-
-@dataclass
-class EncoderSpeed(Record):
-    """Tokens per second of the embedding workload in each timed state."""
-
-    unpatched_tokens_per_s: float
-    patched_tokens_per_s: float
-    norm_free_tokens_per_s: float
-    speedup: float
-    norm_free_speedup: float
-    gain_share: float | None  # of the norm-free model's gain (``norm_free.gain_share``)
-    norm_free_note: str
-    rounds: int
-    partial: bool  # True in the JSON written after each round while rounds remain
-
-
-@dataclass
-class EncoderVerifyReport(Record):
-    """Everything a ``verify`` run on an encoder found; ``kind`` tells it from the decoders' report."""
-
-    kind: str  # "encoder"
-    passed: bool
-    failure: str | None
-    model: str
-    model_class: str
-    weights: str
-    parameters: int
-    dtype: str
-    settings: EncoderSettings
-    environment: Environment
-    patch: PatchSummary
-    parity: EncoderParity
-    norm_outputs: NormOutputAgreement
-    rule: str
-    speed: EncoderSpeed | None  # None off a GPU
 
 
 def right_padded(prompts: Prompts, pad_id: int) -> Prompts:

@@ -1,12 +1,13 @@
 """The report of a ``verify`` run as typed records, and its JSON form (``scripts/verify.py --json``).
 
-``verify.run`` returns a ``VerifyReport``, ``verify.render`` prints one, ``to_dict`` writes the JSON document
-and ``from_dict`` reads one back (the GPU suite's summary reads its ``verify.py`` runs so); both come from
-``records.Record``. Each record's field names are the document's keys, so the document's shape is written once:
-here.
+``verify.run`` returns a ``VerifyReport`` (an ``EncoderVerifyReport`` for an encoder, told apart by its
+``kind``), ``verify.render`` prints one, ``to_dict`` writes the JSON document and ``from_dict`` reads one back
+(the GPU suite's summary reads its ``verify.py`` runs so); both come from ``records.Record``. Each record's
+field names are the document's keys, so the document's shape is written once: here.
 
 The records hold plain data and import no torch, so the GPU suite's report (which runs without torch) reads
-them too; the modules that compute the figures (``parity``, ``norm_outputs``, ``speed``) fill them in.
+them too; the modules that compute the figures (``parity``, ``norm_outputs``, ``speed``, ``verify_encoder``)
+fill them in.
 """
 
 from __future__ import annotations
@@ -199,3 +200,81 @@ class VerifyReport(Record):
     generations: list[GeneratedText] | None  # None for a model without a tokenizer
     rule: str  # the verdict's rule in words (``verify_settings.VERDICT_RULE``)
     speed: SpeedReport | None  # None off a GPU
+
+
+@dataclass
+class EncoderSettings(Record):
+    """What an encoder's run computed on (``verify_encoder``)."""
+
+    parity_batch_size: int
+    parity_tokens: int  # the padded width of the parity batch (rows are right-padded to it)
+    speed_batch_size: int
+    speed_tokens: int
+    repeats: int | None  # None: nothing was timed (no GPU)
+    seed: int
+
+
+@dataclass
+class EncoderParity(Record):
+    """The unpatched and the patched encoder against the reference, and against each other."""
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("passed",)
+
+    dtype: str
+    reference_dtype: str
+    positions: int  # real tokens in the parity batch
+    # Last hidden state, every real token.
+    unpatched_hidden_max_err: float
+    unpatched_hidden_mean_err: float
+    patched_hidden_max_err: float
+    patched_hidden_mean_err: float
+    hidden_max_abs_diff: float  # patched against unpatched
+    hidden_equal_fraction: float
+    # Sentence embeddings (mean-pooled, L2-normalised).
+    unpatched_embedding_mean_err: float
+    patched_embedding_mean_err: float
+    unpatched_min_cosine: float  # the lowest cosine similarity of a row's embedding with the reference's
+    patched_min_cosine: float
+    hidden_ok: bool
+    embeddings_ok: bool
+
+    @property
+    def passed(self) -> bool:
+        """The verdict: both rules hold."""
+        return self.hidden_ok and self.embeddings_ok
+
+
+@dataclass
+class EncoderSpeed(Record):
+    """Tokens per second of the embedding workload in each timed state."""
+
+    unpatched_tokens_per_s: float
+    patched_tokens_per_s: float
+    norm_free_tokens_per_s: float
+    speedup: float
+    norm_free_speedup: float
+    gain_share: float | None  # of the norm-free model's gain (``norm_free.gain_share``)
+    norm_free_note: str
+    rounds: int
+    partial: bool  # True in the JSON written after each round while rounds remain
+
+
+@dataclass
+class EncoderVerifyReport(Record):
+    """Everything a ``verify`` run on an encoder found; ``kind`` tells it from the decoders' report."""
+
+    kind: str  # "encoder"
+    passed: bool
+    failure: str | None
+    model: str
+    model_class: str
+    weights: str
+    parameters: int
+    dtype: str
+    settings: EncoderSettings
+    environment: Environment
+    patch: PatchSummary
+    parity: EncoderParity
+    norm_outputs: NormOutputAgreement
+    rule: str
+    speed: EncoderSpeed | None  # None off a GPU

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from finetune_samples import sample_metrics
-from verify_samples import sample_report, speed_report
+from verify_samples import sample_encoder_report, sample_report, speed_report
 from launching import ROOT, SCRIPTS
 
 from harness import gpu_ledger, gpu_suite, gpu_wheels
-from harness.gpu_suite_report import Outcome, SuiteRun, ledger_files, summary
+from harness.gpu_suite_report import GOALS, Outcome, SpeedGoal, SuiteRun, ledger_files, summary
 from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.verify_report import SpeedFigures
 
@@ -60,6 +60,10 @@ def test_dry_run_runs_every_plan_and_writes_the_files(tmp_path):
     # The A/B's wide side ran its backward through the wide kernels (an override never consulted is an error row).
     ab = next(s for s in sections if s["name"] == "kernels-bwd-ab")["data"]["kernels-bwd-ab"]["results"]
     assert {(r["impl"], r["status"]) for r in ab} == {("hf_rmsnorm", "ok"), ("hf_rmsnorm_wide", "ok")}
+    # The embedding workload's section ran verify.py's encoder path, whose report the summary read.
+    embed = next(s for s in sections if s["name"] == "embed-bert-base")["data"]["embed-bert-base"]
+    assert embed["kind"] == "encoder" and embed["passed"] is True
+    assert "### embed-bert-base: tiny-bert (" in text
     # A dry run measures nothing: the ledger's files come back as committed.
     assert json.loads((out / "gpu_pending.json").read_text()) == json.loads(gpu_ledger.PENDING_PATH.read_text())
     assert json.loads((out / "gpu_section_costs.json").read_text()) == gpu_ledger.read_costs()
@@ -274,6 +278,12 @@ def test_summary_reports_the_scripts_figures():
                 data={"train-1b-norm-free": sample_metrics(patched=False, patch=None, norm_free=True,
                                                            step_times_s=[9.0, 0.45, 0.45]).to_dict()}),
         Outcome("prefill-1b", "p", "timed out after 80 s"),
+        Outcome("generate-qwen3-8b", "g", "ok", data={"generate-qwen3-8b": replace(
+            generate, model="qwen3-8b-shape", patch=replace(generate.patch, norms=145, fused_adds=72, fused_qk=36,
+                                                            qk_apart=0)).to_dict()}),
+        Outcome("embed-bert-base", "e", "ok", data={"embed-bert-base": sample_encoder_report(
+            model="bert-base-shape", parameters=109_482_240, patch=replace(generate.patch, norms=25,
+                                                                           fused_adds=25)).to_dict()}),
     ]
     text = summary(outcomes, _run())
     assert "Tests on the card: ... 10 passed in 3.0s" in text
@@ -297,3 +307,26 @@ def test_summary_reports_the_scripts_figures():
     assert "### train-1b: m, 1 x 2048 tokens, bf16 mixed precision, 3 steps" in text
     assert "Patched step speedup: 1.200x" in text
     assert "| prefill-1b | timed out after 80 s |" in text
+    # The patch's counts, the q/k norms fused with the RoPE among them where the model has q/k norms.
+    assert "Parity: PASS; 33 norms, 32 fused adds.\n" in text
+    assert ("Parity: PASS; 145 norms, 72 fused adds, q/k norms fused with the RoPE in 36 attention modules (0 left "
+            "apart).") in text
+    # The embedding workload: an encoder's report, its tokens/s in the three states, and against issue 30's goal
+    # (per token 1 ms unpatched, 0.833 ms patched, 0.8 ms norm-free: 83% of the norm-free gain).
+    assert ("### embed-bert-base: bert-base-shape (109.5M parameters, bf16, embedding forward of 32 x 128 tokens, "
+            "median of 2; GPU)") in text
+    assert "| tokens/s | 1000 | 1200 | 1.200x | 1250 | 1.250x | 83% |" in text
+    assert ("Goal (issue 30): at least 1.15x unpatched and 75% of the norm-free gain: 1.200x (met), 83% (met)."
+            in text)
+
+
+def test_a_goal_is_met_only_by_both_figures():
+    goal = SpeedGoal(issue=30, min_speedup=1.15, min_gain_share=0.75)
+    assert goal.line(1.15, 0.75).endswith(": 1.150x (met), 75% (met).")
+    assert goal.line(1.149, 0.9).endswith(": 1.149x (not met), 90% (met).")
+    assert goal.line(1.2, 0.5).endswith(": 1.200x (met), 50% (not met).")
+    # No norm-free gain to share (the oracle was not faster): the share is not met.
+    assert goal.line(1.2, None).endswith(": 1.200x (met), n/a (not met).")
+    # Every goal is of a section of the suite, and issue 30's embedding goal is held.
+    assert set(GOALS) <= {s.name for s in gpu_suite.SECTIONS}
+    assert GOALS["embed-bert-base"] == goal

@@ -8,9 +8,12 @@ import json
 import pytest
 import torch
 from test_verify import IN_PROCESS_DEVICE, QUICK, run_verify
+from verify_samples import sample_encoder_report
 
 from hf_rmsnorm.tools import verify, verify_encoder
-from hf_rmsnorm.tools.loading import is_encoder
+from hf_rmsnorm.tools.loading import is_encoder, load_encoder
+from hf_rmsnorm.tools.speed import ModelState
+from hf_rmsnorm.tools.verify_report import EncoderVerifyReport
 from hf_rmsnorm.tools.verify_settings import VerifyConfig
 from hf_rmsnorm.tools.workload import Prompts
 
@@ -91,3 +94,30 @@ def test_right_padding_keeps_each_rows_tokens_in_order():
     right = verify_encoder.right_padded(left, pad_id=0)
     assert right.input_ids.tolist() == [[5, 6, 0, 0], [7, 8, 9, 10]]
     assert right.attention_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def test_the_embedding_workload_is_timed_interleaved_and_reported_after_every_round(monkeypatch, tmp_path):
+    """``measure_forward_states`` (the GPU path, its CUDA calls stubbed so it runs on CPU): every round (a warm-up,
+    then the timed ones) runs each state in turn, and after each timed round the figures so far go to
+    ``on_round``, which ``verify`` writes as a partial document: a run stopped while timing keeps what it
+    measured."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    model, _ = load_encoder("tiny-bert", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    prompts = Prompts(torch.randint(3, 500, (2, 8)), torch.ones(2, 8, dtype=torch.long))
+    events, rounds = [], []
+    states = [ModelState(name, lambda name=name: events.append(f"enter {name}"),
+                         lambda name=name: events.append(f"leave {name}"))
+              for name in ("unpatched", "patched", "norm_free")]
+    rates = verify_encoder.measure_forward_states(model, states, prompts, repeats=2,
+                                                  on_round=lambda r, done: rounds.append((sorted(r), done)))
+    assert events == [f"{verb} {name}" for _ in range(3) for name in ("unpatched", "patched", "norm_free")
+                      for verb in ("enter", "leave")]
+    assert rounds == [(["norm_free", "patched", "unpatched"], 1), (["norm_free", "patched", "unpatched"], 2)]
+    assert all(rate > 0 for rate in rates.values())
+    # The partial document after round 1 says so, and reads back whole.
+    partial = verify_encoder.with_speed(sample_encoder_report(speed=None),
+                                        verify_encoder.speed_report(rates, 1, partial=True))
+    verify.write_json(partial, tmp_path / "report.json")
+    document = json.loads((tmp_path / "report.json").read_text())
+    assert document["speed"]["partial"] is True and document["speed"]["rounds"] == 1
+    assert EncoderVerifyReport.from_dict(document) == partial
