@@ -33,6 +33,8 @@ CASES = MappingProxyType({case.model_type: case for case in (
     EncoderCase("camembert", "CamembertForSequenceClassification", 5, 5),
     EncoderCase("electra", "ElectraForTokenClassification", 5, 5),
     EncoderCase("mpnet", "MPNetForSequenceClassification", 5, 5),
+    # DeBERTa: its own LayerNorm class, in the deberta mode; as in DeBERTa-v2, the embeddings' add is not fused.
+    EncoderCase("deberta", "DebertaForSequenceClassification", 5, 4),
     EncoderCase("deberta-v2", "DebertaV2ForSequenceClassification", 5, 4),
     EncoderCase("distilbert", "DistilBertForSequenceClassification", 5, 5),
     EncoderCase("albert", "AlbertForSequenceClassification", 3, 3),  # one layer shared by every repeat

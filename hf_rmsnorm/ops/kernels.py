@@ -17,7 +17,10 @@ blocks: a first pass computes the sum of squares (and writes the residual sum), 
 row, which the first pass has just brought into L2, and writes the output.
 
 ``CENTER`` turns the kernels into LayerNorm (the row mean is subtracted before the RMS; the mean is stored
-next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm.
+next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm. The
+forward's ``DIVIDE_BY_STD`` (DeBERTa's LayerNorm) divides the centred row by ``sqrt(var + eps)``, rounded to
+nearest as torch's ``/`` and ``torch.sqrt`` are (``div_rn``, ``sqrt_rn``: Triton's ``/`` and ``sqrt`` are
+approximate on NVIDIA GPUs), with the plain mean and variance its body spells out.
 
 All arithmetic is in fp32 after loading (which is also what Triton's CPU interpreter needs: it stores bf16 as
 raw integers). Casts follow Hugging Face's order, selected by ``CAST_BEFORE_WEIGHT`` (to the input's dtype, or
@@ -114,17 +117,22 @@ def _rounded_row(n, W, NORM_DTYPE: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr):
 
 @triton.jit
 def _scale_and_store(
-    s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
+    s, scale, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res, runtime_one,
     NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
-    CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, ADD_AFTER: tl.constexpr, STREAMED: tl.constexpr = False,
+    CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, ADD_AFTER: tl.constexpr,
+    STREAMED: tl.constexpr = False,
 ):
     """``y = w * norm(s) (+ b)`` in the casting order of the model family, stored in ``Y``'s dtype; without a
-    weight ``y = norm(s) (+ b)`` in every mode. With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
+    weight ``y = norm(s) (+ b)`` in every mode. ``norm(s)`` is ``s * scale`` (``scale`` the rows' ``rstd``), or
+    with ``DIVIDE_BY_STD`` ``s / scale`` rounded to nearest (``scale`` the rows' ``sqrt(var + eps)``). With ``ADD_AFTER`` (post-norm layers: ``residual + norm(x)``)
     ``y`` is rounded to ``Y``'s dtype and the residual tile added, rounded as torch rounds the add.
     ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below).
     ``STREAMED`` (the looped forward's last pass): ``y`` and the residual tile are not read again by this kernel,
     so they leave L2 first, ahead of the rows other programs still re-read."""
-    y = s * rstd[:, None]
+    if DIVIDE_BY_STD:
+        y = tl.math.div_rn(s, scale[:, None])
+    else:
+        y = s * scale[:, None]
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         if WEIGHT_OFFSET != 0.0:
@@ -160,8 +168,8 @@ def norm_fwd_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_TILE: tl.constexpr,
-    ADD_AFTER: tl.constexpr,
+    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
     STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Normalises rows ``BLOCK_M`` at a time. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
@@ -195,16 +203,18 @@ def norm_fwd_kernel(
         s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                HAS_RESIDUAL)
         if CENTER:
-            # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
-            mean = tl.sum(s, axis=1) / n_cols
+            mean = _row_mean(tl.sum(s, axis=1), n_cols, DIVIDE_BY_STD)
             s = tl.where(mask, s - mean[:, None], 0.0)
-            correction = tl.sum(s, axis=1) / n_cols
-            mean += correction
-            s = tl.where(mask, s - correction[:, None], 0.0)
-        rstd = tl.math.rsqrt(tl.sum(s * s, axis=1) / n_cols + eps)
-        _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
-                         runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT,
-                         WEIGHT_OFFSET, ADD_AFTER)
+            if not DIVIDE_BY_STD:
+                # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
+                correction = tl.sum(s, axis=1) / n_cols
+                mean += correction
+                s = tl.where(mask, s - correction[:, None], 0.0)
+        variance = _row_mean(tl.sum(s * s, axis=1), n_cols, DIVIDE_BY_STD)
+        rstd = tl.math.rsqrt(variance + eps)
+        _scale_and_store(s, _row_scale(variance, eps, rstd, DIVIDE_BY_STD), W, B, Y, RESIDUAL, rows, cols,
+                         col_mask, mask, stride_y, stride_res, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS,
+                         CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER)
         if STORE_STATS:
             _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
     else:
@@ -215,7 +225,25 @@ def norm_fwd_kernel(
                 X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
                 stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER,
-                BLOCK_M, BLOCK_N, ADD_AFTER, STORE_STATS, NUM_STAGES)
+                DIVIDE_BY_STD, BLOCK_M, BLOCK_N, ADD_AFTER, STORE_STATS, NUM_STAGES)
+
+
+@triton.jit
+def _row_mean(row_sum, n_cols, DIVIDE_BY_STD: tl.constexpr):
+    """``row_sum / n_cols``: rounded to nearest with ``DIVIDE_BY_STD``, as torch's ``mean`` divides (Triton's
+    ``/`` is approximate on NVIDIA GPUs, within 2 ulps)."""
+    if DIVIDE_BY_STD:
+        return tl.math.div_rn(row_sum, tl.cast(n_cols, tl.float32))
+    return row_sum / n_cols
+
+
+@triton.jit
+def _row_scale(variance, eps, rstd, DIVIDE_BY_STD: tl.constexpr):
+    """What ``_scale_and_store`` scales the rows by: ``sqrt(variance + eps)`` rounded to nearest (``torch.sqrt``)
+    with ``DIVIDE_BY_STD``, else their ``rstd``."""
+    if DIVIDE_BY_STD:
+        return tl.math.sqrt_rn(variance + eps)
+    return rstd
 
 
 @triton.jit
@@ -233,8 +261,8 @@ def _normalise_looped_rows(
     stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ADD_AFTER: tl.constexpr,
-    STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One block of rows wider than a tile, in passes over column blocks: the first writes the residual sum and
     accumulates the sum of squares (the sum, when centring), pipelined; the last re-reads the norm's input,
@@ -254,8 +282,8 @@ def _normalise_looped_rows(
     tl.debug_barrier()
     if CENTER:
         # Centred sum of squares in its own pass (E[s^2] - mean^2 cancels badly when the mean is large),
-        # with the corrected two-pass algorithm's correction of the mean's rounding error.
-        mean = tl.sum(acc, axis=1) / n_cols
+        # with the corrected two-pass algorithm's correction of the mean's rounding error (not DeBERTa's body).
+        mean = _row_mean(tl.sum(acc, axis=1), n_cols, DIVIDE_BY_STD)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         deviation = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK_N):
@@ -263,15 +291,20 @@ def _normalise_looped_rows(
             mask = row_mask[:, None] & (cols < n_cols)[None, :]
             s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=False)
             s = tl.where(mask, s - mean[:, None], 0.0)
-            deviation += s
+            if not DIVIDE_BY_STD:
+                deviation += s
             acc += s * s
-        correction = tl.sum(deviation, axis=1) / n_cols
-        mean += correction
-        variance = tl.sum(acc, axis=1) / n_cols - correction * correction
+        if DIVIDE_BY_STD:
+            variance = _row_mean(tl.sum(acc, axis=1), n_cols, DIVIDE_BY_STD)
+        else:
+            correction = tl.sum(deviation, axis=1) / n_cols
+            mean += correction
+            variance = tl.sum(acc, axis=1) / n_cols - correction * correction
     else:
         variance = tl.sum(acc, axis=1) / n_cols
         mean = variance  # not read without CENTER
     rstd = tl.math.rsqrt(variance + eps)
+    scale = _row_scale(variance, eps, rstd, DIVIDE_BY_STD)
     for start in range(0, n_cols, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_mask = cols < n_cols
@@ -279,9 +312,9 @@ def _normalise_looped_rows(
         s = _load_back(X, SUM_OUT, rows, cols, mask, stride_x, stride_sum, HAS_RESIDUAL, LAST_READ=True)
         if CENTER:
             s = s - mean[:, None]
-        _scale_and_store(s, rstd, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
+        _scale_and_store(s, scale, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
                          runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT,
-                         WEIGHT_OFFSET, ADD_AFTER, STREAMED=True)
+                         WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER, STREAMED=True)
     if STORE_STATS:
         _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER)
 

@@ -264,7 +264,7 @@ class ForwardLaunch:
         tiling = forward_plan(n_cols, self.norm_dtype.itemsize, arch)
         self.tiling, self.num_warps = tiling, tiling.num_warps
         self.constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
-                               HAS_BIAS=bias_dtype is not None, **m.kernel_flags,
+                               HAS_BIAS=bias_dtype is not None, **m.forward_kernel_flags,
                                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
                                ADD_AFTER=add_after, STORE_STATS=store_stats, NUM_STAGES=tiling.num_stages)
         self.store_stats = store_stats

@@ -12,6 +12,9 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
                   (an fp32 weight: no cast, y = w * n in fp32)   (fp32 for an fp32 weight, fp64 for an fp64 input)
     layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
     layernorm_as_rmsnorm:  layernorm without the mean (a LayerNorm converted to RMSNorm)
+    deberta:      d = x.float() - mean(x.float()),  n = d / sqrt(mean(d^2) + eps),  y = w * n.to(x.dtype) + b
+                  (llama's order, centred, and divided by the standard deviation rather than multiplied by its
+                  reciprocal: DeBERTa's DebertaLayerNorm)           output dtype: as llama
     without a weight (every mode): y = n.to(x.dtype) (+ b, rounded as the mode rounds it)
 
 The LayerNorm modes normalise an fp64 input in fp64, as ``nn.LayerNorm`` does; the others in fp32, as Hugging
@@ -56,6 +59,11 @@ class Mode:
         promotes_output: the output dtype follows torch's promotion of the input, weight and bias dtypes
             (Llama's ``weight * n`` with an fp32 weight returns fp32); otherwise it is the input dtype.
         keeps_fp64: an fp64 input is normalised in fp64 (``nn.LayerNorm``), not in fp32.
+        divides_by_std: the centred row is divided by ``sqrt(var + eps)`` rather than multiplied by
+            ``rsqrt(var + eps)`` (the two round differently in fp32), and its statistics are those the body spells
+            out: ``mean = sum / width``, ``var = mean((x - mean)^2)``, without the corrected two-pass mean of the
+            other centring modes (DeBERTa's ``DebertaLayerNorm``). Forward only: the backward's maths is the same
+            function, with ``rstd = rsqrt(var + eps)``.
         rounds_to_weight_dtype: with ``cast_before_weight``, the normalised row is rounded to the *weight's* dtype
             when that is fp16 or bf16, and left unrounded for an fp32 weight (T5's ``T5LayerNorm``: ``if
             self.weight.dtype in [torch.float16, torch.bfloat16]: h = h.to(self.weight.dtype)``), instead of
@@ -70,6 +78,7 @@ class Mode:
     promotes_output: bool = False
     keeps_fp64: bool = False
     rounds_to_weight_dtype: bool = False
+    divides_by_std: bool = False
 
     def __post_init__(self) -> None:
         # The kernels add the offset in fp32 and the rounded-row path multiplies in the promoted dtype: no Hugging
@@ -78,13 +87,21 @@ class Mode:
             raise ValueError(f"mode {self.name!r}: a weight offset needs the product in fp32")
         if self.rounds_to_weight_dtype and not self.cast_before_weight:
             raise ValueError(f"mode {self.name!r}: rounding to the weight's dtype is a cast before the weight")
+        if self.divides_by_std and not self.centre:
+            raise ValueError(f"mode {self.name!r}: the division by the standard deviation is a centring mode's")
 
     @functools.cached_property
     def kernel_flags(self) -> dict[str, object]:
         """The constexpr arguments of the Triton kernels that select this mode (built once: launches are
-        host-bound at decode sizes)."""
+        host-bound at decode sizes), those of the backward kernels: the forward's are ``forward_kernel_flags``."""
         return {"CAST_BEFORE_WEIGHT": self.cast_before_weight, "CAST_TO_WEIGHT": self.rounds_to_weight_dtype,
                 "WEIGHT_OFFSET": self.weight_offset, "CENTER": self.centre}
+
+    @functools.cached_property
+    def forward_kernel_flags(self) -> dict[str, object]:
+        """``kernel_flags`` and the forward kernel's own (``divides_by_std``: the backward differentiates the same
+        function whichever way the forward rounded its division)."""
+        return {**self.kernel_flags, "DIVIDE_BY_STD": self.divides_by_std}
 
     def output_dtype(
         self, norm_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None
@@ -148,6 +165,7 @@ MODES: dict[str, Mode] = {
         Mode("layernorm", centre=True, keeps_fp64=True),
         Mode("layernorm_as_rmsnorm", keeps_fp64=True),
         Mode("t5", cast_before_weight=True, rounds_to_weight_dtype=True),
+        Mode("deberta", cast_before_weight=True, centre=True, promotes_output=True, divides_by_std=True),
     )
 }
 

@@ -5,7 +5,7 @@ and it spells out the numerics the kernels follow. Tests never use it as their o
 kernels against fp64 maths and against Hugging Face's own modules as well.
 
 The forward also returns the per-row statistics for the backward, laid out as the kernels lay them out
-(``modes.STATS_SYNC_SLOTS``): ``rstd`` and, in a centring mode (``"layernorm"``), the row means.
+(``modes.STATS_SYNC_SLOTS``): ``rstd`` and, in a centring mode (``"layernorm"``, ``"deberta"``), the row means.
 """
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ def forward_reference(
     if m.centre:
         mean = s.mean(-1, keepdim=True)
         s = s - mean
-    rstd = torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
-    # T5's ``x * rsqrt(var + eps)`` multiplies the input itself (fp64 stays fp64); otherwise x.float() does.
-    n = (norm_input.to(torch.promote_types(norm_input.dtype, compute)) if m.rounds_to_weight_dtype else s) * rstd
+    variance = s.pow(2).mean(-1, keepdim=True)
+    rstd = torch.rsqrt(variance + eps)
+    if m.divides_by_std:
+        n = s / torch.sqrt(variance + eps)  # DeBERTa's division, which rounds otherwise than a product by rstd
+    else:
+        # T5's ``x * rsqrt(var + eps)`` multiplies the input itself (fp64 stays fp64); otherwise x.float() does.
+        n = (norm_input.to(torch.promote_types(norm_input.dtype, compute)) if m.rounds_to_weight_dtype else s) * rstd
     if m.cast_before_weight:
         # The product (and the bias add) round in the dtype torch promotes them to, as the eager module's do.
         rounded = n.to(m.rounded_dtype_of(norm_input.dtype, dtype_of(weight)))

@@ -46,10 +46,11 @@ from .families import FAMILIES, LayerKind, NormKind, StackKind, class_at
 EPS_ATTRS = ("variance_epsilon", "eps")
 # Modes a recognised RMSNorm may have (the LayerNorm modes centre the row; no RMSNorm body does).
 RMS_MODES = tuple(name for name, mode in MODES.items() if not mode.centre and not mode.keeps_fp64)
-# Also tried for a model's own LayerNorm classes (Cohere's: mean-centred, weight in fp32), and for subclasses of
-# nn.LayerNorm; ``layernorm_1p`` is the layernorm mode of ``weight + 1`` rounded in the weight's dtype
-# (Nemotron's LayerNorm1P: ``F.layer_norm(x, shape, self.weight + 1.0, self.bias, self.eps)``).
-CENTRED_MODES = ("layernorm", "layernorm_1p")
+# Also tried for a model's own LayerNorm classes (Cohere's: mean-centred, weight in fp32; DeBERTa's: llama's order,
+# divided by the standard deviation), and for subclasses of nn.LayerNorm: every centring mode of the table, and
+# ``layernorm_1p``, the layernorm mode of ``weight + 1`` rounded in the weight's dtype (Nemotron's LayerNorm1P:
+# ``F.layer_norm(x, shape, self.weight + 1.0, self.bias, self.eps)``).
+CENTRED_MODES = (*(name for name, mode in MODES.items() if mode.centre), "layernorm_1p")
 # The modes of ``CENTRED_MODES`` that scale by ``weight + offset`` (``NormKind.weight_offset``): name -> (the
 # kernels' mode, offset).
 OFFSET_MODES = {"layernorm_1p": ("layernorm", 1.0)}

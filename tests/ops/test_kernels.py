@@ -13,7 +13,7 @@ from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import backend, launch, reference
-from hf_rmsnorm.ops.functional import fused_add_norm
+from hf_rmsnorm.ops.functional import fused_add_norm, norm, norm_add
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
@@ -872,3 +872,131 @@ def test_t5_mode_on_strided_rows(n_cols):
     for a, b in zip(_grads(y, (x, weight), (dy,)), _grads(rms_norm(x_copy, weight, EPS, mode="t5"), (x_copy, weight),
                                                          (dy,))):
         assert torch.equal(a, b)
+
+
+# DeBERTa's LayerNorm ("deberta" mode): centred in fp32, divided by sqrt(var + eps), rounded to the input dtype before
+# the weight (Llama's order), the bias added in the promoted dtype.
+
+
+def _deberta_module(weight, bias):
+    from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
+
+    module = DebertaLayerNorm(weight.shape[0], eps=EPS).to(device=DEVICE, dtype=weight.dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        module.bias.copy_(bias)
+    return module
+
+
+def _deberta_fp64(s, weight, bias):
+    """DeBERTa's LayerNorm of ``s`` in fp64, without any intermediate rounding."""
+    d = s.double() - s.double().mean(-1, keepdim=True)
+    return weight.double() * (d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + EPS)) + bias.double()
+
+
+def _deberta_inputs(rows, n_cols, dtype, seed):
+    """Post-LN activations: a sublayer's output ``x`` and the residual stream ``r`` (a mean away from zero), a
+    trained-like weight around 1 and bias around 0."""
+    x = _randn(rows, n_cols, dtype=dtype, seed=seed)
+    r = _randn(rows, n_cols, dtype=dtype, scale=3, seed=seed + 1) + 0.5
+    weight = (_randn(n_cols, scale=0.3, seed=seed + 2) + 1).to(dtype)
+    bias = _randn(n_cols, dtype=dtype, scale=0.3, seed=seed + 3)
+    return x, r, weight, bias
+
+
+@pytest.mark.parametrize("op", ["norm", "fused_add", "norm_add"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [1, 7, 127, 896, 4097, 20000, 40000])
+def test_deberta_mode_matches_deberta_layer_norm_and_fp64(op, dtype, n_cols):
+    """The forward kernel's every plan (one tile, the looped rows past it: fp32 at 20000, every dtype at 40000), alone,
+    with the residual added first (post-LN ``LayerNorm(h + input)``) or after: the module's dtype and output, bitwise
+    but where the sums' reduction order shows (fp32: within it; half precision: a rare flip of the rounded row,
+    ``_assert_within_a_rounding_of_eager``), and no less accurate than the module against fp64."""
+    rows = _rows_for(n_cols)
+    x, r, weight, bias = _deberta_inputs(rows, n_cols, dtype, seed=100)
+    module = _deberta_module(weight, bias)
+    with torch.no_grad():
+        if op == "norm":
+            ours, eager, truth = norm(x, weight, EPS, bias=bias, mode="deberta"), module(x), _deberta_fp64(x, weight,
+                                                                                                        bias)
+        elif op == "fused_add":
+            ours, s = fused_add_norm(x, r, weight, EPS, bias=bias, mode="deberta")
+            assert torch.equal(s, r + x)
+            eager, truth = module(r + x), _deberta_fp64(r + x, weight, bias)
+        else:
+            ours, eager = norm_add(x, r, weight, EPS, bias=bias, mode="deberta"), r + module(x)
+            truth = r.double() + _deberta_fp64(x, weight, bias)
+    assert ours.dtype == eager.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, eager, rtol=2e-6, atol=2e-6 * truth.abs().max().item())
+    elif op == "norm_add":
+        _assert_sum_within_a_rounding_of_eager(ours, eager, module(x).detach())
+    else:
+        _assert_within_a_rounding_of_eager(ours, eager)
+    assert reference.error_beyond_bound(ours, eager, truth) <= 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [7, 896, 4097, 20000])
+def test_deberta_mode_backward_is_no_less_accurate_than_the_module(dtype, n_cols):
+    """The gradients of ``LayerNorm(x + r)`` into x, r, the weight and the bias (one-tile backward up to 4097, the
+    wide kernels at 20000), through the fused add with a gradient reaching the sum too: no less accurate than
+    the module's autograd against fp64, although ours multiplies by rstd where the forward divided."""
+    rows = _rows_for(n_cols)
+    x, r, weight, bias = (t.requires_grad_() for t in _deberta_inputs(rows, n_cols, dtype, seed=110))
+    y, s = fused_add_norm(x, r, weight, EPS, bias=bias, mode="deberta")
+    module = _deberta_module(weight.detach(), bias.detach())
+    eager_x, eager_r = x.detach().requires_grad_(), r.detach().requires_grad_()
+    eager_s = eager_r + eager_x
+    eager = module(eager_s)
+    dy, dsum = _randn(rows, n_cols, dtype=dtype, seed=114), _randn(rows, n_cols, dtype=dtype, seed=115)
+    ours = _grads((y, s), (x, r, weight, bias), (dy, dsum))
+    hf = _grads((eager, eager_s), (eager_x, eager_r, module.weight, module.bias), (dy, dsum))
+    inputs64 = [t.detach().double().requires_grad_() for t in (x, r, weight, bias)]
+    s64 = inputs64[1] + inputs64[0]
+    exact = _grads((_deberta_fp64(s64, inputs64[2], inputs64[3]), s64), inputs64, (dy.double(), dsum.double()))
+    _assert_no_less_accurate(ours, hf, exact)
+
+
+@pytest.mark.parametrize("n_cols", [96, 40000])
+def test_deberta_mode_on_strided_rows(n_cols):
+    """Strided rows (a row stride past the width, a column-major residual copied) compute what their contiguous
+    copies compute, forward and backward."""
+    x, r, weight, bias = _deberta_inputs(4, n_cols, torch.bfloat16, seed=120)
+    base = _randn(4, n_cols + 40, dtype=torch.bfloat16, seed=124)
+    base[:, 8:8 + n_cols] = x
+    x_strided = base[:, 8:8 + n_cols].requires_grad_()
+    r_strided = r.t().contiguous().t()
+    x_copy = x.clone().requires_grad_()
+    y, s = fused_add_norm(x_strided, r_strided, weight, EPS, bias=bias, mode="deberta")
+    y_copy, s_copy = fused_add_norm(x_copy, r, weight, EPS, bias=bias, mode="deberta")
+    assert torch.equal(y, y_copy) and torch.equal(s, s_copy)
+    dy = _randn(4, n_cols, dtype=torch.bfloat16, seed=125)
+    assert torch.equal(_grads(y, (x_strided,), (dy,))[0], _grads(y_copy, (x_copy,), (dy,))[0])
+
+
+def test_deberta_mode_normalises_fp64_in_fp32_as_the_module_does():
+    """DeBERTa's body calls ``.float()`` whatever the input: an fp64 input (the PyTorch implementation's) is
+    normalised in fp32, rounded back to fp64 and scaled there, bit for bit as the module computes it."""
+    x, _, weight, bias = (t.double() for t in _deberta_inputs(5, 96, torch.float32, seed=130))
+    y = norm(x, weight, EPS, bias=bias, mode="deberta")
+    expected = _deberta_module(weight, bias)(x)
+    assert y.dtype == expected.dtype == torch.float64 and torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_cols", [64, 32768, 65536])
+def test_deberta_mode_is_the_module_bit_for_bit_where_the_statistics_are_exact(dtype, n_cols):
+    """Integer rows with an integer mean: their sums, mean and variance are exact in any order of summation, so
+    nothing but the roundings the module itself makes is left, and the output is the module's bit for bit in every
+    dtype, fp32 included (one tile at 64, and at 32768 but for fp32, which loops there; every dtype loops at
+    65536). A product by ``rsqrt`` instead of the division fails this in fp32."""
+    gen = torch.Generator().manual_seed(140)
+    half = torch.randint(-8, 9, (2, n_cols // 2), generator=gen).float()
+    deviations = torch.cat([half, -half], dim=-1)[:, torch.randperm(n_cols, generator=gen)]  # each row's sum: 0
+    rows = deviations + torch.tensor([[3.0], [-2.0]])  # means 3 and -2; squares summed below 2**24
+    x = rows.to(device=DEVICE, dtype=dtype)
+    _, _, weight, bias = _deberta_inputs(2, n_cols, dtype, seed=141)
+    y = norm(x, weight, EPS, bias=bias, mode="deberta")
+    expected = _deberta_module(weight, bias)(x)
+    assert y.dtype == expected.dtype and torch.equal(y, expected)

@@ -210,3 +210,43 @@ def test_t5_style_norms_are_recognised_in_the_t5_mode(module, name):
             expected = cls.forward(norm, x)
             got = reference.forward_reference(x, None, norm.weight, None, norm.variance_epsilon, "t5")[0]
             assert got.dtype == expected.dtype and torch.equal(got, expected), (weight_dtype, input_dtype)
+
+
+class _DebertaLikeMultiplyingLayerNorm(nn.Module):
+    """DeBERTa's LayerNorm but for one thing: it multiplies by ``rsqrt(var + eps)`` where DeBERTa divides by
+    ``sqrt(var + eps)``."""
+
+    def __init__(self, size, eps=1e-7):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_type = hidden_states.dtype
+        hidden_states = hidden_states.float()
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_type) + self.bias
+
+
+def test_deberta_layer_norm_is_recognised_in_the_deberta_mode_and_a_multiplying_look_alike_is_not():
+    """DeBERTa's LayerNorm, with a trained-like weight and bias, is recognised in the deberta mode in every weight
+    dtype and in a bf16 model keeping it in fp32, its output the mode's reference bit for bit in each input dtype
+    such a model feeds it; the same body multiplying by rsqrt (which rounds otherwise in fp32) matches no mode."""
+    from transformers.models.deberta.modeling_deberta import DebertaLayerNorm
+
+    for weight_dtype, model_dtype in [(d, d) for d in (torch.float32, *HALF)] + [(torch.float32, torch.bfloat16)]:
+        norm = _trained_like(DebertaLayerNorm(WIDTH)).to(weight_dtype)
+        verdict = recognition.NormRecogniser().verdict(norm, model_dtype)
+        assert verdict.kind is not None and verdict.kind.mode == "deberta", (weight_dtype, model_dtype, verdict.reason)
+        assert verdict.kind.bias_attr == "bias" and verdict.kind.eps_attr == "variance_epsilon"
+        for input_dtype in dict.fromkeys((weight_dtype, model_dtype, torch.float32)):
+            x = recognition.probe_rows(WIDTH).to(input_dtype)
+            expected = norm(x)
+            got = reference.forward_reference(x, None, norm.weight, norm.bias, norm.variance_epsilon, "deberta")[0]
+            assert got.dtype == expected.dtype and torch.equal(got, expected), (weight_dtype, input_dtype)
+        look_alike = _trained_like(_DebertaLikeMultiplyingLayerNorm(WIDTH)).to(weight_dtype)
+        verdict = recognition.NormRecogniser().verdict(look_alike, model_dtype)
+        assert verdict.kind is None and "match none" in verdict.reason, (weight_dtype, model_dtype)
