@@ -168,7 +168,8 @@ BASELINES = "hf_rmsnorm hf_eager torch_rms_norm liger"
 # The test files of the tests section: the kernels' and the launches' tests, LayerNorm, and every file with a
 # gpu-marked test (tests/harness/test_gpu_suite.py checks that none is missing).
 TEST_FILES = ("tests/ops/test_kernels.py", "tests/patch/test_layernorm.py", "tests/ops/test_op_validation.py",
-              "tests/ops/test_fast_launch.py", "tests/ops/test_triton_ops.py", "tests/tools/test_verify.py")
+              "tests/ops/test_fast_launch.py", "tests/ops/test_triton_ops.py", "tests/tools/test_verify.py",
+              "tests/patch/test_qk_offloaded_caches.py")
 
 # The plans, in the order a series of leases runs them; the sections, plan by plan, in order of value.
 PLANS = ("first", "second", "third", "fourth")

@@ -141,28 +141,6 @@ def _generated(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out.sequences, torch.stack(out.logits)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", GENERATE_QK)
-@pytest.mark.parametrize("cache", GPU_CACHES)
-def test_generate_with_the_offloaded_caches_on_a_gpu(name, cache, monkeypatch):
-    """The offloaded caches keep every full-attention layer's keys and values on the CPU and prefetch the next
-    layer's to the GPU: patched and unpatched fp32 generation give the same tokens, each step's logits within 1e-5
-    of the largest, and the fused launch runs at every step of every layer. Gemma 3 gets a full-attention layer:
-    the offloaded dynamic cache keeps sliding layers on the GPU."""
-    overrides = {"layer_types": ["sliding_attention", "full_attention"]} if name == "gemma3_text" else {}
-    model = _model(name, **overrides).cuda()
-    model.generation_config.cache_implementation = cache
-    ids = input_ids(seq=6).cuda()
-    unpatched_tokens, unpatched_logits = _generated(model, ids)
-    patch_model(model)
-    with counting_launches(monkeypatch) as launches:
-        tokens, logits = _generated(model, ids)
-    assert launches[0] >= 4 * CASES[name].qk
-    assert torch.equal(tokens, unpatched_tokens)
-    scale = unpatched_logits.abs().max().item()
-    assert (logits - unpatched_logits).abs().max().item() <= 1e-5 * scale
-
-
 @pytest.mark.parametrize("order", ["patch first", "lora first"])
 def test_lora_on_the_projections(order, monkeypatch):
     from peft import LoraConfig, get_peft_model
