@@ -6,12 +6,14 @@ ops a patched layer dispatches (the README's launch-savings rows)."""
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
 from family_cases import CASES
-from patch_models import OpCounter, Parity, assert_patch_keeps_greedy_tokens, input_ids, tiny_model, training_step
+from patch_models import OpCounter, Parity, assert_patch_keeps_greedy_tokens, input_ids, training_step
+from qk_generate import CPU_CACHES, GENERATE_QK, counting_launches
+from qk_generate import generated as _generated
+from qk_generate import qk_model as _model
 from torch.utils._python_dispatch import _disable_current_modes
 
 from hf_rmsnorm import patch_model, unpatch_model
@@ -22,25 +24,6 @@ from hf_rmsnorm.patch.qk_attention import UNFUSED
 QK_CASES = [name for name, case in CASES.items() if case.qk]
 # One of each layout (per head before and after the transpose, over the whole projection) and an MoE.
 MAIN_QK = ["qwen3", "gemma3_text", "olmo2", "qwen3_moe"]
-
-
-def _model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
-    case = CASES[name]
-    return tiny_model(case.model_type, dtype, **{**case.config, **kwargs})
-
-
-@contextlib.contextmanager
-def counting_launches(monkeypatch):
-    calls = [0]
-    launch = qk_runtime.qk_norm_rope
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return launch(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(qk_runtime, "qk_norm_rope", counted)
-        yield calls
 
 
 @pytest.mark.parametrize("name", QK_CASES)
@@ -100,14 +83,6 @@ def test_gradients_match_the_unpatched_model(name, checkpointing, monkeypatch):
         assert (grads[True][key] - grad).abs().max().item() <= 1e-4 * scale, key
 
 
-# transformers' cache kinds (``generation_config.cache_implementation``) and where each is tested: "dynamic",
-# "static" and "paged" (continuous batching's paged cache) here; "quantized" (optimum-quanto's) where that package is
-# installed; "offloaded" and "offloaded_static", which prefetch each layer's keys and values on a CUDA stream, on a
-# GPU only. The other names are deprecated aliases of the static cache ("sliding_window", "hybrid",
-# "hybrid_chunked") or of the offloaded static one ("offloaded_hybrid", "offloaded_hybrid_chunked").
-CPU_CACHES = ["dynamic", "static", "paged"]
-GPU_CACHES = ["offloaded", "offloaded_static"]
-GENERATE_QK = ["qwen3", "gemma3_text", "olmo2"]
 
 
 @pytest.mark.parametrize("name", GENERATE_QK)
@@ -131,14 +106,6 @@ def test_generate_with_the_quantized_cache(name, monkeypatch):
     with counting_launches(monkeypatch) as launches:
         assert_patch_keeps_greedy_tokens(model, input_ids(seq=6), new_tokens=4)
     assert launches[0] >= 4 * CASES[name].qk
-
-
-def _generated(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy ``generate()``'s tokens and the logits of every step."""
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
-                             do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences, torch.stack(out.logits)
 
 
 @pytest.mark.parametrize("order", ["patch first", "lora first"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from family_cases import CASES
 from patch_models import input_ids
-from test_qk_families import GENERATE_QK, GPU_CACHES, _generated, _model, counting_launches
+from qk_generate import GENERATE_QK, GPU_CACHES, counting_launches, generated, qk_model
 
 from hf_rmsnorm import patch_model
 
@@ -21,13 +21,13 @@ def test_generate_with_the_offloaded_caches_on_a_gpu(name, cache, monkeypatch):
     of the largest, and the fused launch runs at every step of every layer. Gemma 3 gets a full-attention layer:
     the offloaded dynamic cache keeps sliding layers on the GPU."""
     overrides = {"layer_types": ["sliding_attention", "full_attention"]} if name == "gemma3_text" else {}
-    model = _model(name, **overrides).cuda()
+    model = qk_model(name, **overrides).cuda()
     model.generation_config.cache_implementation = cache
     ids = input_ids(seq=6).cuda()
-    unpatched_tokens, unpatched_logits = _generated(model, ids)
+    unpatched_tokens, unpatched_logits = generated(model, ids)
     patch_model(model)
     with counting_launches(monkeypatch) as launches:
-        tokens, logits = _generated(model, ids)
+        tokens, logits = generated(model, ids)
     assert launches[0] >= 4 * CASES[name].qk
     assert torch.equal(tokens, unpatched_tokens)
     scale = unpatched_logits.abs().max().item()

@@ -19,7 +19,7 @@ from finetune_samples import sample_metrics
 from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, run_checked
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, DebertaConfig, DebertaModel, PreTrainedModel
+from transformers import AutoModelForCausalLM, MobileBertConfig, MobileBertModel, PreTrainedModel
 
 from hf_rmsnorm import patch_model
 from hf_rmsnorm.tools.finetune import (
@@ -210,11 +210,11 @@ def test_base_model_reference_follows_how_the_model_was_loaded(tmp_path, monkeyp
 
 
 def _unsupported_checkpoint(directory: Path) -> Path:
-    """A DeBERTa encoder: its LayerNorm divides by the standard deviation after adding eps to it, which no kernel
-    mode computes, so patching it is refused."""
-    config = DebertaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=64)
-    DebertaModel(config).save_pretrained(directory)
+    """A MobileBERT encoder: its norms are ``NoNorm`` (an elementwise affine map, no normalisation), which no kernel
+    computes, so patching it is refused."""
+    config = MobileBertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=64, embedding_size=16, intra_bottleneck_size=16)
+    MobileBertModel(config).save_pretrained(directory)
     return directory
 
 
@@ -245,7 +245,7 @@ BAD_INPUTS = {
     ),
     "unsupported model": (
         lambda d, corpus: ["--data", str(corpus), "--task", "sequence-classification",
-                           "--model", str(_unsupported_checkpoint(d / "deberta"))],
+                           "--model", str(_unsupported_checkpoint(d / "mobilebert"))],
         "has no norm hf_rmsnorm can patch",
     ),
     "model that does not exist": (

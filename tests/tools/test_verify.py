@@ -174,18 +174,18 @@ def test_cli_directory_without_model(tmp_path):
 
 @pytest.mark.slow
 def test_cli_unsupported_architecture(tmp_path):
-    from transformers import DebertaConfig, DebertaModel
+    from transformers import ImageGPTConfig, ImageGPTModel
 
-    # DeBERTa's LayerNorm divides by the standard deviation after adding eps to it: no kernel mode computes that.
-    config = DebertaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           intermediate_size=64)
-    DebertaModel(config).save_pretrained(tmp_path / "deberta")
-    result = run_verify("--model", str(tmp_path / "deberta"), *QUICK)
-    assert_bad_input(result, "DebertaModel (model_type 'deberta')", "DebertaLayerNorm", "match none of the kernels'",
+    # ImageGPT's LayerNorm divides an uncentred row by its RMS in the input's own dtype (no fp32 upcast): no kernel
+    # mode computes that.
+    config = ImageGPTConfig(vocab_size=300, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    ImageGPTModel(config).save_pretrained(tmp_path / "imagegpt")
+    result = run_verify("--model", str(tmp_path / "imagegpt"), *QUICK)
+    assert_bad_input(result, "(model_type 'imagegpt')", "ImageGPTLayerNorm", "match none of the kernels'",
                      "family_names()")
     # Refused right after loading, before any model run, in one line (naming the modes it was compared with).
     assert "unpatched model" not in result.stderr
-    assert len(result.stderr.splitlines()[-1].replace(str(tmp_path / "deberta"), "")) < 350
+    assert len(result.stderr.splitlines()[-1].replace(str(tmp_path / "imagegpt"), "")) < 350
 
 
 @pytest.mark.slow
