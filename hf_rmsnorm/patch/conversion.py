@@ -32,7 +32,9 @@ original output plus a constant. Convert a model when it is final; fine-tune wit
 
 Only a pre-LN decoder of a registered family, whose stream this argument follows, is converted; a model without one
 (BERT and the other post-LN encoders, encoder-decoders) is refused with the reason, and the LayerNorms outside a
-converted stack run exactly as by default. Only fp32 (or fp64) writers are converted: rounding centred weights
+converted stack run exactly as by default. A LayerNorm of the model's own class (DeBERTa's, Cohere's: a norm the
+patcher recognises in a centring mode) is no ``nn.LayerNorm`` reader of a known stream: a model with one is refused
+too (``LayerNormPlan.own_class_skip``), and ``layernorm="skip"`` leaves it alone as it leaves ``nn.LayerNorm``. Only fp32 (or fp64) writers are converted: rounding centred weights
 back to fp16/bf16 rounds every writer weight a second time (tiny GPT-2: mean logit error 1.10x eager's in bf16,
 1.11x in fp16). A half-precision model is refused; convert its fp32 weights, then cast the converted model.
 """
@@ -44,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..ops.modes import get_mode
 from .classify import Role, norm_role
 from .families import (
     EXACT_LAYERNORM_FAMILY, LAYERNORM, LAYERNORM_AS_RMSNORM, LAYERNORM_WITHOUT_AFFINE, NormKind, ResidualStream,
@@ -52,6 +55,9 @@ from .families import (
 from .report import UnconvertibleModelError
 
 LAYERNORM_CHOICES = ("fuse", "rmsnorm", "skip")
+
+
+_SKIPPED_ON_REQUEST = "LayerNorm left alone on request (layernorm='skip')"
 
 
 @dataclass
@@ -72,6 +78,27 @@ class LayerNormPlan:
     skipped: dict[nn.Module, str] = field(default_factory=dict)
     writers: list[Writer] = field(default_factory=list)
     entrances: dict[nn.Module, str] = field(default_factory=dict)
+    option: str = "fuse"
+
+    def own_class_skip(self, model_name: str, name: str, module: nn.Module, kind: NormKind) -> str | None:
+        """For a norm of the model's own class (not ``nn.LayerNorm``, which the plan above covers) that the patcher
+        would run in ``kind``: the reason it is left alone when it is a LayerNorm (a centring mode) and the option
+        says ``"skip"``; None when it is patched as usual.
+
+        Raises:
+            UnconvertibleModelError: it is a LayerNorm and the option says ``"rmsnorm"``: the conversion's argument
+                covers ``nn.LayerNorm`` readers of a known stream only.
+        """
+        if module in self.norms or not get_mode(kind.mode).centre or self.option == "fuse":
+            return None
+        if self.option == "skip":
+            return _SKIPPED_ON_REQUEST
+        raise UnconvertibleModelError(
+            f"cannot convert {model_name}'s LayerNorms to RMSNorm exactly: {name} is a {type(module).__name__}, a "
+            "LayerNorm of the model's own class, which the conversion does not cover (it converts nn.LayerNorm "
+            "readers of a pre-LN decoder's stream); patch_model(model) without layernorm='rmsnorm' runs it as an "
+            "exact fused LayerNorm"
+        )
 
     def converts(self, module: nn.Module) -> bool:
         """Whether ``module`` is a LayerNorm this plan converts to RMSNorm."""
@@ -149,7 +176,7 @@ def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module, Role]],
     """
     if layernorm not in LAYERNORM_CHOICES:
         raise ValueError(f"layernorm must be one of {', '.join(map(repr, LAYERNORM_CHOICES))}, got {layernorm!r}")
-    plan = LayerNormPlan()
+    plan = LayerNormPlan(option=layernorm)
     families: dict[nn.Module, str] = {}
     problems = []
     for name, module, role in modules:
@@ -180,7 +207,7 @@ def plan_layernorms(model_name: str, modules: list[tuple[str, nn.Module, Role]],
         if module in plan.norms or module in plan.skipped:
             continue
         if layernorm == "skip":
-            plan.skipped[module] = "LayerNorm left alone on request (layernorm='skip')"
+            plan.skipped[module] = _SKIPPED_ON_REQUEST
         elif problem := _layernorm_problem(module, None):
             plan.skipped[module] = f"LayerNorm left alone ({problem}); it stays an exact nn.LayerNorm"
         else:

@@ -90,7 +90,8 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
             fp32 model into an RMSNorm model (``hf_rmsnorm.patch.conversion``): the modules writing into the
             residual stream are centred in place now (the report lists every parameter changed), the stream is
             centred where it enters the first layer, and each LayerNorm runs as an RMSNorm. ``"skip"``: leave
-            every LayerNorm alone (reported as skipped).
+            every LayerNorm alone (reported as skipped), a model's own LayerNorm classes too (DeBERTa's, Cohere's:
+            a norm recognised in a centring mode).
 
     Returns:
         A ``PatchReport`` of what was patched, fused, converted and skipped.
@@ -98,7 +99,8 @@ def patch_model(model: nn.Module, *, layernorm: str = "fuse") -> PatchReport:
     Raises:
         UnsupportedModelError: ``model`` is not a module or has no norm hf_rmsnorm can patch. Nothing changed.
         UnconvertibleModelError: (a subclass) ``layernorm="rmsnorm"`` and the model cannot be converted exactly:
-            a post-LN model (BERT, OPT-350m), an encoder, fp16/bf16 writers, an unknown stack. Nothing changed.
+            a post-LN model (BERT, OPT-350m), an encoder, fp16/bf16 writers, an unknown stack, a LayerNorm of
+            the model's own class. Nothing changed.
         ValueError: ``layernorm`` is not one of the values above.
     """
     root = _unwrap(model)
@@ -302,6 +304,9 @@ def _plan_norms(root: nn.Module, reg, plan: _Plan):
     model_dtype = model_dtype or next((p.dtype for p in root.parameters() if p.is_floating_point()), torch.float32)
 
     def add_norm(name: str, module: nn.Module, family: str, kind: NormKind) -> None:
+        if (reason := layernorms.own_class_skip(type(root).__name__, name, module, kind)) is not None:
+            plan.report.skipped.append((name, reason))
+            return
         norms[module] = name
         plan.swaps.append((module, kind))
         plan.report.norms.append(name)

@@ -14,7 +14,7 @@ from encoder_cases import CASES
 from torch import nn
 
 from harness import coverage
-from hf_rmsnorm import UnconvertibleModelError, patch_model, unpatch_model
+from hf_rmsnorm import UnconvertibleModelError, UnsupportedModelError, patch_model, unpatch_model
 
 
 def build(model_type: str) -> nn.Module:
@@ -49,11 +49,27 @@ def test_every_layernorm_patched_adds_fused_and_parity_in_fp32_and_bf16(model_ty
     verdict, reason = coverage._judge(result, truth, eager32, coverage._logits(model, inputs), eager16,
                                       coverage._logits(bf16, inputs))
     assert verdict == "fused", reason
-    # No pre-LN decoder stream to convert: the conversion to RMSNorm is refused, with the reason. (It is planned for
-    # nn.LayerNorm modules only: DeBERTa's own LayerNorm class is patched exactly whatever ``layernorm`` says.)
-    if any(isinstance(m, nn.LayerNorm) for m in model.modules()):
-        with pytest.raises(UnconvertibleModelError, match="not a pre-LN decoder"):
-            patch_model(build(model_type), layernorm="rmsnorm")
+    # No pre-LN decoder stream to convert: the conversion to RMSNorm is refused, with the reason (DeBERTa's, a
+    # LayerNorm of its own class, which the conversion does not cover).
+    reason = "own class" if model_type == "deberta" else "not a pre-LN decoder"
+    with pytest.raises(UnconvertibleModelError, match=reason):
+        patch_model(build(model_type), layernorm="rmsnorm")
+
+
+def test_a_layernorm_of_the_models_own_class_follows_the_layernorm_option():
+    """DeBERTa's ``DebertaLayerNorm`` (the ``deberta`` mode, recognised by its numerics): left alone with
+    ``layernorm="skip"`` (then nothing is left to patch), refused with ``layernorm="rmsnorm"``; the model untouched
+    either way."""
+    model = build("deberta")
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    for option, error, reason in (("skip", UnsupportedModelError, "has no norm hf_rmsnorm can patch"),
+                                  ("rmsnorm", UnconvertibleModelError, "a LayerNorm of the model's own class")):
+        with pytest.raises(error, match=reason) as raised:
+            patch_model(model, layernorm=option)
+        assert type(raised.value) is error
+        assert "LayerNorm left alone on request" in str(raised.value) or option == "rmsnorm"
+        assert [type(m) for m in model.modules()] == [type(m) for m in build("deberta").modules()]
+        assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
 
 
 def _gradients(model: nn.Module, inputs) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from family_cases import CASES, LAYERNORM, names
-from patch_models import reachable_modules
+from patch_models import reachable_modules, tiny_model
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -367,6 +367,22 @@ def test_conversion_refuses_half_precision_writers(dtype):
     with pytest.raises(UnconvertibleModelError, match=r"stored in (b)?float16.*load the model in float32"):
         patch_model(model, layernorm="rmsnorm")
     _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("option, error", [("skip", UnsupportedModelError), ("rmsnorm", UnconvertibleModelError)])
+def test_the_layernorm_option_covers_a_models_own_layernorm_class(option, error):
+    """Cohere normalises with its own ``CohereLayerNorm`` (recognised in the ``layernorm`` mode): ``"skip"`` leaves
+    it alone (nothing is left to patch), ``"rmsnorm"`` refuses it (the conversion covers ``nn.LayerNorm`` readers
+    of a known stream); the model untouched."""
+    model = tiny_model("cohere")
+    before = _snapshot(model)
+    with pytest.raises(error) as raised:
+        patch_model(model, layernorm=option)
+    assert type(raised.value) is error
+    assert ("CohereLayerNorm, a LayerNorm of the model's own class" if option == "rmsnorm"
+            else "LayerNorm left alone on request") in str(raised.value)
+    _assert_untouched(model, before)
+    assert patch_model(tiny_model("cohere")).norms  # patched exactly by default
 
 
 def test_layernorm_skip_leaves_layernorms_alone():
