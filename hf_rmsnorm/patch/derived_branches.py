@@ -52,7 +52,7 @@ import ast
 import copy
 
 from .derived_syntax import (
-    COMPREHENSIONS, assigned_name, module_call, past_aliases, returned_sum, summed, walrus_targets,
+    assigned_name, module_call, past_aliases, returned_sum, statement_blocks, summed, walrus_targets,
 )
 
 
@@ -71,10 +71,8 @@ class _FixedParameters:
         arguments = function.args
         names = {a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)}
         names |= {a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None}
+        # Every binding or deletion, nested scopes and ``:=`` targets included (a Name in a Store or Del context).
         bound = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-        bound |= {target for node in ast.walk(function) if isinstance(node, COMPREHENSIONS)
-                  for target in walrus_targets(node)}
-        bound |= walrus_targets(function)
         self.names = frozenset(names & plain) - bound
 
     def test_runs_nothing(self, test: ast.expr) -> bool:
@@ -99,13 +97,8 @@ def _sink_in(statements: list[ast.stmt], parameters: _FixedParameters, norms: fr
         statement = statements[i]
         if isinstance(statement, ast.If):
             i -= _into_branches(statements, i, parameters, norms, self_name)
-        if not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            for name in ("body", "orelse", "finalbody"):
-                nested = getattr(statement, name, None)
-                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
-                    _sink_in(nested, parameters, norms, self_name)
-            for handler in getattr(statement, "handlers", ()):
-                _sink_in(handler.body, parameters, norms, self_name)
+        for block in statement_blocks(statement):
+            _sink_in(block, parameters, norms, self_name)
         i += 1
 
 
@@ -148,7 +141,8 @@ def _adds_to_normed(statements: list[ast.stmt], end: int) -> bool:
     r + y``): ``derived_sites``' ``after`` pattern fuses that add where the statements stand, so they stay there
     (a sandwich layer's branch sum normed before its residual add)."""
     consumer = statements[end]
-    if (found := summed(consumer)) is not None and any(isinstance(o, ast.Call) for o in (found[1].left, found[1].right)):
+    found = summed(consumer)
+    if found is not None and any(isinstance(o, ast.Call) for o in (found[1].left, found[1].right)):
         return True
     normed = assigned_name(consumer)
     following = statements[end + 1] if end + 1 < len(statements) else None

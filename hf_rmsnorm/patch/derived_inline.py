@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from . import derived_source
-from .derived_syntax import NESTED_SCOPES, located, summed
+from .derived_syntax import NESTED_SCOPES, located, statement_blocks, summed
 
 # Names a body may not read: they would see the forward's frame (or class) instead of the function's.
 _FRAME_NAMES = frozenset({"locals", "vars", "dir", "eval", "exec", "super", "__class__"})
@@ -175,14 +175,8 @@ def _statements(statements: list[ast.stmt]):
     """``(list, index)`` of each statement of the forward's own scope, its blocks' statements after it."""
     for i, statement in enumerate(statements):
         yield statements, i
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        for name in ("body", "orelse", "finalbody"):
-            nested = getattr(statement, name, None)
-            if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
-                yield from _statements(nested)
-        for handler in getattr(statement, "handlers", ()):
-            yield from _statements(handler.body)
+        for block in statement_blocks(statement):
+            yield from _statements(block)
 
 
 def _candidate(node: ast.AST, module: types.ModuleType,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from . import derived_source
 from .derived_sites import FirstRead, first_read, named_outside_tuples, plain_locals
-from .derived_syntax import assigned_name, attribute_path, parents, self_name
+from .derived_syntax import assigned_name, attribute_path, parents, self_name, statement_blocks
 from .families import StackKind
 
 
@@ -101,15 +101,9 @@ def _layer_loops(statements: list[ast.stmt], continuation: list[ast.stmt], conte
             again = ([ast.Expr(statement.test)] if isinstance(statement, ast.While) else []) + statement.body
             _layer_loops(statement.body, again + after, context, loops)
             _layer_loops(statement.orelse, after, context, loops)
-        elif isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
         else:
-            for name in ("body", "orelse", "finalbody"):
-                nested = getattr(statement, name, None)
-                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
-                    _layer_loops(nested, after, context, loops)
-            for handler in getattr(statement, "handlers", ()):
-                _layer_loops(handler.body, after, context, loops)
+            for block in statement_blocks(statement):
+                _layer_loops(block, after, context, loops)
 
 
 def _iterated_layers(loop: ast.For, self_name_: str) -> str | None:
@@ -136,7 +130,8 @@ def _stack_loop(loop: ast.For, block: list[ast.stmt], layers: str, rest: list[as
         target = target.elts[1]
     if not isinstance(target, ast.Name) or loop.orelse:
         return None
-    calls = [s for s in _under_ifs(loop.body) if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
+    calls = [s for s in _under_ifs(loop.body)
+             if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.value, ast.Call)
              and isinstance(s.value.func, ast.Name) and s.value.func.id == target.id]
     if len(calls) != 1:
         return None
@@ -164,7 +159,8 @@ def _layer_output_name(call: ast.Assign, body: list[ast.stmt]) -> str | None:
     module = ast.Module(body=body, type_ignores=[])
     items = {id(n.value): n.slice.value for n in ast.walk(module)
              if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant) and type(n.slice.value) is int}
-    picks = [(s, reads) for s in _under_ifs(body) if assigned_name(s) and (reads := _first_item_reads(s.value, target.id, items))]
+    picks = [(s, reads) for s in _under_ifs(body)
+             if assigned_name(s) and (reads := _first_item_reads(s.value, target.id, items))]
     reads = [n for n in named_outside_tuples(body, target.id) if n is not target]
     if len(picks) == 1 and all(any(n is read for read in picks[0][1]) or items.get(id(n), 0) > 0 for n in reads):
         return assigned_name(picks[0][0])

@@ -87,7 +87,7 @@ from . import derived_inline, derived_source
 from .derived_branches import sink_adds
 from .derived_syntax import (
     COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents,
-    compares_reads, past_aliases, reads_only, returned_sum, self_name, summed, walrus_targets,
+    compares_reads, past_aliases, reads_only, returned_sum, self_name, statement_blocks, summed, walrus_targets,
 )
 
 
@@ -335,12 +335,8 @@ class _Analysis:
             inner = enclosing + tuple(kind for kind, types_ in (("try", (ast.Try, ast.TryStar)),
                                                                 ("with", (ast.With, ast.AsyncWith)))
                                       if isinstance(statement, types_))
-            for name in ("body", "orelse", "finalbody"):
-                nested = getattr(statement, name, None)
-                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
-                    self._block(nested, None, inner)
-            for handler in getattr(statement, "handlers", ()):
-                self._block(handler.body, None, inner)
+            for block in statement_blocks(statement):
+                self._block(block, None, inner)
 
     def _norm(self, node: ast.AST) -> tuple[str, ...] | None:
         """The path of ``self.<path>(x)`` when it is one of the norms."""
@@ -512,9 +508,10 @@ def first_read(statements: list[ast.stmt], names: set[str], self_name_: str,
     scope (invariant 1): nothing evaluated before it can reach the value; or, for an ``if`` that does not read them
     in its test, when a branch begins so with a norm and the other begins so with the same norm or reads them
     otherwise (Falcon's ``ln_attn`` and ``ln_mlp``, or its ``input_layernorm``). Only the norm's call is replaced
-    by what a previous layer hands on; the other branch reads the value itself, as the original does. Unread when nothing names them, or a statement
-    rebinds the one name without reading it (its value can no longer reach anything). A statement that only copies
-    them into a slice of another tensor (``out[...] = x``) does not count: it cannot change them."""
+    by what a previous layer hands on; the other branch reads the value itself, as the original does. Unread when
+    nothing names them, or a statement rebinds the one name without reading it (its value can no longer reach
+    anything). A statement that only copies them into a slice of another tensor (``out[...] = x``) does not count:
+    it cannot change them."""
     for statement in statements:
         if isinstance(statement, ast.If) and not loads(statement.test, names):
             branches = [first_read(b, set(names), self_name_, norms, up) for b in (statement.body, statement.orelse)]

@@ -56,6 +56,16 @@ def summed(statement: ast.stmt) -> tuple[str, ast.BinOp] | None:
     return None
 
 
+def statement_blocks(statement: ast.stmt) -> list[list[ast.stmt]]:
+    """The statement lists nested in ``statement`` in source order: the bodies, ``else`` and ``finally`` blocks and
+    handlers of an ``if``, a loop, a ``with`` or a ``try``; none for a nested function or class (another scope)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return []
+    blocks = [getattr(statement, name, None) for name in ("body", "orelse", "finalbody")]
+    blocks += [handler.body for handler in getattr(statement, "handlers", ())]
+    return [block for block in blocks if isinstance(block, list) and block and isinstance(block[0], ast.stmt)]
+
+
 def past_aliases(statements: list[ast.stmt], j: int, names: set[str]) -> int:
     """The index of the first statement from ``j`` on that is no alias ``r = s`` of one of ``names`` (which gains
     the aliases)."""

@@ -169,13 +169,15 @@ class _ShiftedOutputLayer(ToyDecoderLayer):
     """An ``if`` between the output add and the ``return`` that changes the sum (mBART's fp16 clamp), here taken
     in fp32, by rebinding or in place."""
 
+    shifted_dtype = torch.float32
+
     def forward(self, hidden_states: torch.Tensor, in_place: bool = False) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.mixer(self.input_layernorm(hidden_states))
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
-        if hidden_states.dtype == torch.float32:
+        if hidden_states.dtype == self.shifted_dtype:
             if in_place:
                 hidden_states.add_(1.0)
             else:
@@ -184,17 +186,9 @@ class _ShiftedOutputLayer(ToyDecoderLayer):
 
 
 class _UntakenBranchLayer(_ShiftedOutputLayer):
-    """The same ``if`` never taken here: the handoff stands."""
+    """The same ``if`` never taken here (fp16 only): the handoff stands."""
 
-    def forward(self, hidden_states: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.mixer(self.input_layernorm(hidden_states))
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = residual + self.mlp(self.post_attention_layernorm(hidden_states))
-        if hidden_states.dtype == torch.float16:
-            hidden_states = hidden_states + 1.0
-        return hidden_states
+    shifted_dtype = torch.float16
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -5,33 +5,18 @@ others, the checks made at every call, the hooks and wrappers that make the orig
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 import qk_toys
+from qk_generate import counting_launches
 from qk_toys import (
     HEAD_DIM, GemmaAttention, OlmoAttention, PartialRotaryAttention, QwenAttention, toy_attention_model, toy_inputs,
 )
 from hf_rmsnorm import patch_model, unpatch_model
-from hf_rmsnorm.patch import qk_probe, qk_runtime
+from hf_rmsnorm.patch import qk_probe
 from hf_rmsnorm.patch.qk_attention import UNFUSED
-
-
-@contextlib.contextmanager
-def counting_launches(monkeypatch):
-    """Counts the fused q/k launches made inside the block (a list holding the count)."""
-    calls = [0]
-    launch = qk_runtime.qk_norm_rope
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return launch(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(qk_runtime, "qk_norm_rope", counted)
-        yield calls
 
 
 def _run(model, dtype=torch.float32, rotary_dim=HEAD_DIM):
