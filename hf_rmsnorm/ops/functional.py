@@ -557,8 +557,10 @@ def rms_norm(
         eps: added to the mean square, in fp32.
         bias: optional ``[hidden]`` shift (used for LayerNorms converted to RMSNorm).
         mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32), ``"fp32_affine"`` (weight
-            and bias applied in fp32, as OLMo2 and LayerNorm do) or ``"layernorm_as_rmsnorm"`` (a LayerNorm
-            converted to RMSNorm). See ``hf_rmsnorm.ops.modes``. Deprecated: ``"layernorm"``, which subtracts the
+            and bias applied in fp32, as OLMo2 and LayerNorm do), ``"t5"`` (the row rounded to the weight's dtype
+            before the weight multiplies it, as T5's family does), ``"layernorm_as_rmsnorm"`` (a LayerNorm
+            converted to RMSNorm) or ``"deberta"`` (DeBERTa's own LayerNorm: the row centred and divided by its
+            standard deviation). See ``hf_rmsnorm.ops.modes``. Deprecated: ``"layernorm"``, which subtracts the
             row mean (an exact ``nn.LayerNorm``), runs with a ``DeprecationWarning``: call ``layer_norm``.
 
     Returns:

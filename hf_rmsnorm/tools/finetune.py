@@ -116,7 +116,8 @@ def finetune(config: FinetuneConfig) -> FinetuneMetrics:
                                            seed=config.seed)
     else:
         model, tokenizer = load_model(config.model, dtype=torch.float32, device=device, seed=config.seed)
-    vocab_size = model.get_input_embeddings().num_embeddings
+    # The embedding matrix's rows, not ``num_embeddings``, which quantized embeddings (I-BERT's) do not have.
+    vocab_size = model.get_input_embeddings().weight.shape[0]
     if tokenizer is None:
         accelerator.print(f"{config.model} has no tokenizer: training on {ByteTokenizer(vocab_size).describe()}")
     min_sequences = config.batch_size * accelerator.num_processes

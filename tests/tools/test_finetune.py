@@ -19,7 +19,9 @@ from finetune_samples import sample_metrics
 from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, run_checked
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, MobileBertConfig, MobileBertModel, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM, IBertConfig, IBertModel, MobileBertConfig, MobileBertModel, PreTrainedModel,
+)
 
 from hf_rmsnorm import patch_model
 from hf_rmsnorm.tools.finetune import (
@@ -218,6 +220,16 @@ def _unsupported_checkpoint(directory: Path) -> Path:
     return directory
 
 
+def _quantized_checkpoint(directory: Path) -> Path:
+    """An I-BERT encoder: its embedding is a ``QuantEmbedding`` (no ``num_embeddings``) and its norms
+    ``IntLayerNorm``s, whose forward also takes a scaling factor: refused like any unsupported model, not an
+    internal error on the way."""
+    config = IBertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=64)
+    IBertModel(config).save_pretrained(directory)
+    return directory
+
+
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
@@ -247,6 +259,11 @@ BAD_INPUTS = {
         lambda d, corpus: ["--data", str(corpus), "--task", "sequence-classification",
                            "--model", str(_unsupported_checkpoint(d / "mobilebert"))],
         "has no norm hf_rmsnorm can patch",
+    ),
+    "quantized model": (
+        lambda d, corpus: ["--data", str(corpus), "--task", "sequence-classification",
+                           "--model", str(_quantized_checkpoint(d / "ibert"))],
+        "IntLayerNorm.forward takes more than the hidden states",
     ),
     "model that does not exist": (
         lambda d, corpus: ["--data", str(corpus), "--model", str(d / "nomodel")],
