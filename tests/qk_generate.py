@@ -13,10 +13,11 @@ from patch_models import tiny_model
 from hf_rmsnorm.patch import qk_runtime
 
 # transformers' cache kinds (``generation_config.cache_implementation``) and where each is tested: "dynamic",
-# "static" and "paged" (continuous batching's paged cache) here; "quantized" (optimum-quanto's, in the test extra; it skips
-# where that package is missing); "offloaded" and "offloaded_static", which prefetch each layer's keys and values on a CUDA stream, on a
-# GPU only. The other names are deprecated aliases of the static cache ("sliding_window", "hybrid",
-# "hybrid_chunked") or of the offloaded static one ("offloaded_hybrid", "offloaded_hybrid_chunked").
+# "static" and "paged" (continuous batching's paged cache) here; "quantized" (optimum-quanto's, in the test extra;
+# it skips where that package is missing); "offloaded" and "offloaded_static", which prefetch each layer's keys and
+# values on a CUDA stream, on a GPU only. The other names are deprecated aliases of the static cache
+# ("sliding_window", "hybrid", "hybrid_chunked") or of the offloaded static one ("offloaded_hybrid",
+# "offloaded_hybrid_chunked").
 CPU_CACHES = ["dynamic", "static", "paged"]
 GPU_CACHES = ["offloaded", "offloaded_static"]
 GENERATE_QK = ["qwen3", "gemma3_text", "olmo2"]
