@@ -132,16 +132,17 @@ def _handed_or_norm(normed: Tensor | None, norm: nn.Module, argument: Tensor, hi
 
 
 def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Tensor:
-    """``residual + branch``, the layer's output: from the next norm's kernel when the loop asked for it and the
-    kernel computes that add (two tensors of one shape and class, no broadcast); the normed sum goes into
-    ``call.normed_output``."""
+    """``residual + branch``, the layer's output: from the next norm's kernel when the loop asked for it, the
+    kernel computes that add (two tensors of one shape and class, no broadcast) and no hook watches the norm now
+    (``guard.unwatched_call``: the loop asked before the layer ran, whose code may have registered one since); the
+    normed sum goes into ``call.normed_output``."""
     norm = None if call is None else call.next_norm
     if norm is None or not (
         isinstance(branch, Tensor) and isinstance(residual, Tensor) and type(branch) is type(residual)
         and branch.shape == residual.shape
-    ):
+    ) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
-    normed, total = norm(branch, residual=residual)
+    normed, total = fused_norm(branch, residual=residual)
     call.normed_output = normed
     return total
 
