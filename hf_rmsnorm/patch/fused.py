@@ -110,10 +110,10 @@ _NO_HUB_LAYER = _HiddenHubLayerName()
 
 def _forward_like(body, original, signature: inspect.Signature | None = None):
     """``body`` (one of the forwards below) as a function of its own under ``original``'s name, qualified name,
-    docstring and signature (``signature``, by default ``original``'s), with its first argument named as ``original`` names it. ``inspect.signature`` (Trainer's
-    column selection, transformers' generation and tests) then sees the parameters the patched module accepts,
-    at no cost per call. Its ``__module__`` stays this module's, so the patcher never takes it for the forward
-    transformers defines."""
+    docstring and signature (``signature``, by default ``original``'s), with its first argument named as
+    ``original`` names it. ``inspect.signature`` (Trainer's column selection, transformers' generation and tests)
+    then sees the parameters the patched module accepts, at no cost per call. Its ``__module__`` stays this
+    module's, so the patcher never takes it for the forward transformers defines."""
     signature = signature or inspect.signature(original)
     code = body.__code__
     if code.co_argcount >= 2:
