@@ -77,11 +77,14 @@ def _stream_getter() -> Callable[[int], int]:
     return driver.active.get_current_stream
 
 
-def _installed(hook: Any) -> Any:
-    """``hook``, or None where it would call nothing. Later Triton releases keep the launch hooks in a ``HookChain``
-    that is there even when empty: Triton then builds the launch metadata and calls the empty chain twice on every
-    launch, where None makes the launcher skip both (it calls a hook only when it is not None)."""
-    return hook if getattr(hook, "calls", hook) else None
+def _installed_hooks(runtime: Any) -> tuple[Any, Any]:
+    """The launch's enter and exit hooks, each None where it would call nothing. Later Triton releases keep the
+    launch hooks in a ``HookChain`` that is there even when empty: Triton then builds the launch metadata and calls
+    the empty chain twice on every launch, where None makes the launcher skip both (it calls a hook only when it is
+    not None)."""
+    enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter_hook if getattr(enter_hook, "calls", enter_hook) else None,
+            exit_hook if getattr(exit_hook, "calls", exit_hook) else None)
 
 
 class CachedLauncher:
@@ -102,7 +105,10 @@ class CachedLauncher:
         self.constexpr_names = tuple(p.name for p in getattr(kernel, "params", ()) if p.is_constexpr)
         # The interpreter's kernels (InterpretedFunction) have no compiled binary to keep.
         self.cacheable = isinstance(kernel, triton.runtime.JITFunction)
-        # key -> (compiled kernel, constexpr values in declared order, the plan keyed by identity or None)
+        # key -> (compiled kernel, its launcher, its function handle and packed metadata, constexpr values in declared
+        # order, the plan keyed by identity or None), read once when the entry is stored rather than on every launch.
+        # Reading ``run`` loads the binary if Triton has not (``CompiledKernel.run`` is a property that does), after
+        # which its handle does not change: that is why ``run`` is read first.
         self.by_arguments: dict[tuple, tuple] = {}
         self.by_plan: dict[tuple, tuple] = {}
 
@@ -121,15 +127,14 @@ class CachedLauncher:
         if entry is None:
             compiled = self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
             if all(hasattr(compiled, attr) for attr in ("run", "function", "packed_metadata", "launch_metadata")):
-                cache[key] = (compiled, tuple(constexprs[name] for name in self.constexpr_names), plan)
+                cache[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                              tuple(constexprs[name] for name in self.constexpr_names), plan)
             return
-        compiled, constants, _ = entry
+        compiled, run, function, packed_metadata, constants, _ = entry
         all_args = args + constants
         stream = _stream_getter()(device)
-        runtime = _KNOBS.runtime
-        enter_hook, exit_hook = _installed(runtime.launch_enter_hook), _installed(runtime.launch_exit_hook)
+        enter_hook, exit_hook = _installed_hooks(_KNOBS.runtime)
         # The metadata is for the hooks (a profiler's): skip building it when none is installed.
         metadata = None if enter_hook is None and exit_hook is None else compiled.launch_metadata(
             (grid, 1, 1), stream, *all_args)
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, metadata,
-                     enter_hook, exit_hook, *all_args)
+        run(grid, 1, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *all_args)

@@ -172,20 +172,21 @@ _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, nor
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
-            varying: tuple = ()) -> None:
+            varying: tuple = (), device: int | None = None) -> None:
     """``kernel[(grid,)](*args, **constexprs, num_warps=num_warps)``; one of the kernels runs on the first tensor's
-    GPU through its ``CachedLauncher`` (looked up by ``plan`` and ``varying`` where given: see there). Anything
-    else is launched as it is: above all the caller's ``wrap_triton(<kernel>)`` while a graph is traced
-    (``is_traced``), which records the launch in the graph for inductor to make from its own code. The callers
-    spell that call out with the kernel's name: torch finds a Triton op's kernels, which its compile caches key on,
-    by reading the op's source for such calls."""
+    GPU (``device``, its ``get_device()``, where the caller has it) through its ``CachedLauncher`` (looked up by
+    ``plan`` and ``varying`` where given: see there). Anything else is launched as it is: above all the caller's
+    ``wrap_triton(<kernel>)`` while a graph is traced (``is_traced``), which records the launch in the graph for
+    inductor to make from its own code. The callers spell that call out with the kernel's name: torch finds a Triton
+    op's kernels, which its compile caches key on, by reading the op's source for such calls."""
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
         kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
         return
     # Triton launches on the current GPU: switch to the first tensor's own (models split across GPUs) only when
     # it is another one. A CPU tensor (the interpreter) has device -1. Every kernel's first argument is a tensor.
-    device = args[0].get_device()
+    if device is None:
+        device = args[0].get_device()
     if device < 0 or device == torch.cuda.current_device():
         launcher(grid, device, args, constexprs, num_warps, plan, varying)
         return
@@ -249,8 +250,8 @@ class ForwardLaunch:
     (``CachedLauncher``'s key by plan): it fixes every dtype, which pointers are None, the width, the constexprs and
     ``num_warps``."""
 
-    __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "tiling", "num_warps", "constexprs", "store_stats",
-                 "y_like_x", "sum_like_x")
+    __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "tiling", "num_warps", "single_tile_rows", "constexprs",
+                 "store_stats", "y_like_x", "sum_like_x")
 
     def __init__(self, x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                  bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool, store_stats: bool,
@@ -263,6 +264,8 @@ class ForwardLaunch:
         # The sum's dtype is the wider of x's and the residual's: the widest activation the forward loads.
         tiling = forward_plan(n_cols, self.norm_dtype.itemsize, arch)
         self.tiling, self.num_warps = tiling, tiling.num_warps
+        # Rows of one tile: ``forward_grid``'s one program per BLOCK_M rows, worked out in the call (0: looped).
+        self.single_tile_rows = tiling.block_m if tiling.single_tile else 0
         self.constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                                HAS_BIAS=bias_dtype is not None, **m.forward_kernel_flags,
                                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
@@ -303,8 +306,10 @@ class ForwardLaunch:
         # one out of bounds); contiguous() returns a contiguous tensor itself, so the usual call copies nothing.
         weight = None if weight is None else weight.contiguous()
         bias = None if bias is None else bias.contiguous()
+        device = x.get_device()
+        rows_per_program = self.single_tile_rows
+        grid = -(-n_rows // rows_per_program) if rows_per_program else self.grid(n_rows, device)
         # Outputs are fresh and contiguous: their row stride is n_cols.
-        grid = self.grid(n_rows, x.get_device())
         args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
         if traced_kernel is not None:
             _launch(traced_kernel, grid, args, self.constexprs, self.num_warps)
@@ -316,7 +321,7 @@ class ForwardLaunch:
         # count's class and the input row strides, exact (a model repeats a few).
         by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats)
         _launch(norm_fwd_kernel, grid, args, self.constexprs, self.num_warps, self if by_plan else None,
-                (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)))
+                (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)), device)
         return y, new_residual, stats
 
 

@@ -4,28 +4,32 @@ original expression does and otherwise evaluates that expression, and the handof
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
 from . import derived_inline, guard, handoff
 from .families import NormKind
 
 
-def _fusable(norm: object, a: object, b: object) -> bool:
-    """Whether ``norm``'s fused kernel computes ``norm(a + b)`` (or ``a + norm(b)``) as the original does: a
-    patched norm no hook watches, and two tensors of one shape, class and device (no broadcasting, no DTensor
-    mixed with a tensor)."""
-    return (
+def _fused_call(norm: object, a: object, b: object) -> Callable | None:
+    """How to call ``norm`` fused (``guard.unwatched_call``) where its fused kernel computes ``norm(a + b)`` (or
+    ``a + norm(b)``) as the original does: a patched norm no hook watches, and two tensors of one shape, class and
+    device (no broadcasting, no DTensor mixed with a tensor); None elsewhere."""
+    if (
         isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
         and isinstance(a, Tensor) and isinstance(b, Tensor)
         and type(a) is type(b) and a.shape == b.shape and a.device == b.device
-        and not guard.watched(norm)
-    )
+    ):
+        return guard.unwatched_call(norm)
+    return None
 
 
 def norm_of_sum(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     """``(norm(a + b), a + b)``, from one kernel when it can be."""
-    if _fusable(norm, a, b):
-        return norm(b, residual=a)
+    call = _fused_call(norm, a, b)
+    if call is not None:
+        return call(b, residual=a)
     total = a + b
     return norm(total), total
 
@@ -37,8 +41,9 @@ def norm_of_add(norm: nn.Module, a: Tensor, b: Tensor) -> Tensor:
 
 def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     """``residual + norm(x)``, from one kernel when it can be."""
-    if _fusable(norm, residual, x):
-        return norm(x, add_to=residual)
+    call = _fused_call(norm, residual, x)
+    if call is not None:
+        return call(x, add_to=residual)
     return residual + norm(x)
 
 

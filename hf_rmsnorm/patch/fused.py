@@ -43,10 +43,9 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
             "kernel_layer_name": _NO_HUB_LAYER,
         }
         if isinstance(kind, NormKind):
-            namespace.update(
-                forward=_forward_like(_norm_forward, base.forward, _norm_signature(base.forward)),
-                _hf_rmsnorm_norm=bound_norm(kind.mode),  # its mode's calls, their launches bound once
-            )
+            norm_forward = _norm_forward(kind)
+            namespace["forward"] = _forward_like(norm_forward, base.forward, _norm_signature(base.forward))
+            namespace["forward"].__doc__ = norm_forward.__doc__  # it says what the fused forward adds
         elif isinstance(kind, QKAttentionKind):
             # An attention module whose q/k norms and RoPE run as one launch (``qk_attention.py``).
             namespace.update(qk_attention.class_namespace(base, kind),
@@ -111,11 +110,10 @@ _NO_HUB_LAYER = _HiddenHubLayerName()
 
 def _forward_like(body, original, signature: inspect.Signature | None = None):
     """``body`` (one of the forwards below) as a function of its own under ``original``'s name, qualified name,
-    docstring (a norm's: ``body``'s, which says what it adds) and signature (``signature``, by default
-    ``original``'s), with its first argument named as ``original`` names it. ``inspect.signature`` (Trainer's
-    column selection, transformers' generation and tests) then sees the parameters the patched module accepts,
-    at no cost per call. Its ``__module__`` stays this module's, so the patcher never takes it for the forward
-    transformers defines."""
+    docstring and signature (``signature``, by default ``original``'s), with its first argument named as
+    ``original`` names it. ``inspect.signature`` (Trainer's column selection, transformers' generation and tests)
+    then sees the parameters the patched module accepts, at no cost per call. Its ``__module__`` stays this
+    module's, so the patcher never takes it for the forward transformers defines."""
     signature = signature or inspect.signature(original)
     code = body.__code__
     if code.co_argcount >= 2:
@@ -126,7 +124,7 @@ def _forward_like(body, original, signature: inspect.Signature | None = None):
     forward = types.FunctionType(code, body.__globals__, original.__name__, body.__defaults__, body.__closure__)
     forward.__kwdefaults__ = body.__kwdefaults__
     forward.__qualname__ = original.__qualname__
-    forward.__doc__ = body.__doc__ if body is _norm_forward else original.__doc__
+    forward.__doc__ = original.__doc__
     forward.__signature__ = signature
     return forward
 
@@ -157,22 +155,30 @@ def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stack
     return cls.__new__(cls)
 
 
-def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *, add_to: Tensor | None = None):
-    """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +
-    hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
-    kind: NormKind = self._hf_rmsnorm_kind
-    bound: BoundNorm = self._hf_rmsnorm_norm
-    # Read on every call: the user may replace or edit them between calls.
-    eps = kind.eps if kind.eps_attr is None else getattr(self, kind.eps_attr)
-    weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
-    if kind.weight_offset:
-        weight = weight + kind.weight_offset
-    bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
-    if add_to is not None:
-        return bound.norm_add(hidden_states, add_to, weight, eps, bias)
-    if residual is not None:
-        return bound.fused_add_norm(hidden_states, residual, weight, eps, bias)
-    return bound.norm(hidden_states, weight, eps, bias)
+def _norm_forward(kind: NormKind):
+    """The fused forward of a norm of ``kind``, with what ``kind`` fixes (attribute names, constants, the mode's
+    ``BoundNorm``, whose launches are bound once) held by the function rather than read from ``kind`` at every call:
+    a decode call is bound by host time."""
+    bound: BoundNorm = bound_norm(kind.mode)
+    eps_attr, weight_attr, bias_attr = kind.eps_attr, kind.weight_attr, kind.bias_attr
+    constant_eps, weight_offset = kind.eps, kind.weight_offset
+
+    def norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *, add_to: Tensor | None = None):
+        """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +
+        hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
+        # Read on every call: the user may replace or edit them between calls.
+        eps = constant_eps if eps_attr is None else getattr(self, eps_attr)
+        weight = None if weight_attr is None else getattr(self, weight_attr)
+        if weight_offset:
+            weight = weight + weight_offset
+        bias = None if bias_attr is None else getattr(self, bias_attr)
+        if add_to is not None:
+            return bound.norm_add(hidden_states, add_to, weight, eps, bias)
+        if residual is not None:
+            return bound.fused_add_norm(hidden_states, residual, weight, eps, bias)
+        return bound.norm(hidden_states, weight, eps, bias)
+
+    return norm_forward
 
 
 def _layer_forward(self, *args, **kwargs):

@@ -44,14 +44,24 @@ Which modules each site calls otherwise:
 The test is the condition ``nn.Module.__call__`` itself tests before running hooks, read at every call (the
 module's hook dictionaries and ``torch.nn.modules.module``'s global ones, through that module object): a hook
 registered before or after ``patch_model``, or removed, decides the very next call, and nothing is kept.
+
+A site that found its norm unwatched calls it through ``unwatched_call``, which asks the same question and then
+skips ``nn.Module.__call__``'s dispatch where that dispatch would call the module's forward and nothing else (a
+decode call is bound by host time, and the dispatch costs about as much as an aten op on the host).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.nn.modules.module as _torch_module
 from torch import nn
+
+# What nn.Module's call runs, as torch defines it (read when this module is imported): ``__call__`` is
+# ``_wrapped_call_impl``, which calls the compiled module (``nn.Module.compile``) or ``self._call_impl``.
+_MODULE_CALL = nn.Module._wrapped_call_impl
+_MODULE_CALL_IMPL = nn.Module._call_impl
 
 
 def _never(hook: Callable) -> bool:
@@ -84,3 +94,22 @@ def is_output_recorder(hook: Callable) -> bool:
         return False
     index = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ())).get("index")
     return index is not None and index.cell_contents == 0
+
+
+def unwatched_call(module: nn.Module) -> Callable | None:
+    """None where a hook would see a call of ``module`` (``watched``, no hook exempted); otherwise what calling
+    ``module`` runs: its bound ``forward`` itself where ``nn.Module.__call__`` would call just that, else ``module``.
+
+    Without hooks (``watched`` tests ``_call_impl``'s condition for running any), ``nn.Module.__call__`` calls
+    ``self.forward`` (an instance's own ``forward`` included, as here) and nothing else, provided that: the class
+    neither overrides ``__call__`` nor ``_call_impl`` and no instance attribute shadows ``_call_impl``, and both are
+    still torch's (a profiler may wrap them); the module was not compiled on its own (``nn.Module.compile`` sets
+    ``_compiled_call_impl``); and no ``torch.jit.trace`` is running (which calls ``_slow_forward``). Each is read
+    here at every call, right before the call; otherwise the module itself is returned, and called as usual."""
+    if watched(module):
+        return None
+    cls, state = type(module), module.__dict__
+    if (cls.__call__ is _MODULE_CALL and cls._call_impl is _MODULE_CALL_IMPL and "_call_impl" not in state
+            and state.get("_compiled_call_impl") is None and not torch._C._get_tracing_state()):
+        return module.forward
+    return module

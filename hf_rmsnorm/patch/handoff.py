@@ -32,9 +32,11 @@ Why this computes the unpatched function, and its gradients, exactly:
   the norm, other than transformers' read-only output recorders and the conversion's own centring pre-hook on a
   layer that only hands on (``guard.py``, the guard of every fused site); accelerate's hooks (they move and
   offload weights); a layer whose class or forward was changed after patching; a norm replaced in its parent after
-  patching (PEFT's ``modules_to_save``), or whose weight is on another device than the hidden states. A custom
-  loop, or a stack forward replaced after patching, never calls ``call_layer``: every layer called directly runs
-  its adds unfused, exactly as before patching.
+  patching (PEFT's ``modules_to_save``), or whose weight is on another device than the hidden states. The layer's
+  last add asks the guard about the norm again (``add_residual``): a hook the layer's own code registers on it
+  meanwhile makes it the plain add, and the next layer calls the norm on the sum. A custom loop, or a stack
+  forward replaced after patching, never calls ``call_layer``: every layer called directly runs its adds unfused,
+  exactly as before patching.
 * The normed sum is an output of the fused kernel's autograd node and an input of the next layer, so the
   gradient reaching it and the sum's reach that node's backward together, as in eager fusion (whose gradients
   the tests hold bitwise equal to the unfused adds').
@@ -132,16 +134,17 @@ def _handed_or_norm(normed: Tensor | None, norm: nn.Module, argument: Tensor, hi
 
 
 def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Tensor:
-    """``residual + branch``, the layer's output: from the next norm's kernel when the loop asked for it and the
-    kernel computes that add (two tensors of one shape and class, no broadcast); the normed sum goes into
-    ``call.normed_output``."""
+    """``residual + branch``, the layer's output: from the next norm's kernel when the loop asked for it, the
+    kernel computes that add (two tensors of one shape and class, no broadcast) and no hook watches the norm now
+    (``guard.unwatched_call``: the loop asked before the layer ran, whose code may have registered one since); the
+    normed sum goes into ``call.normed_output``."""
     norm = None if call is None else call.next_norm
     if norm is None or not (
         isinstance(branch, Tensor) and isinstance(residual, Tensor) and type(branch) is type(residual)
         and branch.shape == residual.shape
-    ):
+    ) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
-    normed, total = norm(branch, residual=residual)
+    normed, total = fused_norm(branch, residual=residual)
     call.normed_output = normed
     return total
 

@@ -8,8 +8,8 @@ A body is a plain function of ``(layer, hidden_states, *args, _hf_rmsnorm_call=N
 layer's forward (``fused.py``, with the original forward's signature) calls it, passing the ``handoff.LayerCall``
 of a call from the derived stack loop. Each calls what the original calls, in the original's order (dropouts draw
 random numbers), and passes every other layer argument to the attention as the original does. An add goes into a
-norm's kernel only when no hook watches that norm (``guard.watched``, asked at every call); otherwise the body
-adds and calls the norm on the sum as the original does.
+norm's kernel only when no hook watches that norm (``guard.unwatched_call``, asked at every call); otherwise the
+body adds and calls the norm on the sum as the original does.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ def _sequential_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: Layer
     hidden_states = _attend(self, kind, _input_norm(self, kind, hidden_states, _hf_rmsnorm_call), args, kwargs)
 
     post_attention_norm = getattr(self, kind.post_attention_norm)
-    if _dropout_skippable(self, kind.attention_dropout) and not guard.watched(post_attention_norm):
-        hidden_states, residual = post_attention_norm(_scaled(self, kind, hidden_states), residual=residual)
+    fused_norm = (guard.unwatched_call(post_attention_norm) if _dropout_skippable(self, kind.attention_dropout)
+                  else None)
+    if fused_norm is not None:
+        hidden_states, residual = fused_norm(_scaled(self, kind, hidden_states), residual=residual)
     else:
         residual = residual + _scaled(self, kind, _dropped(self, kind.attention_dropout, hidden_states))
         hidden_states = post_attention_norm(residual)
@@ -128,10 +130,11 @@ def _dropout_skippable(layer: nn.Module, name: str | None) -> bool:
 
 
 def _norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """``residual + norm(x)``: from the norm's kernel unless a hook watches the norm (``guard.watched``)."""
-    if guard.watched(norm):
+    """``residual + norm(x)``: from the norm's kernel unless a hook watches the norm (``guard.unwatched_call``)."""
+    fused_norm = guard.unwatched_call(norm)
+    if fused_norm is None:
         return residual + norm(x)
-    return norm(x, add_to=residual)
+    return fused_norm(x, add_to=residual)
 
 
 def _parallel_residual_first_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,

@@ -19,6 +19,7 @@ from hf_rmsnorm import fused_add_rms_norm, patch_model, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import functional, launch
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.ops.modes import STATS_SYNC_SLOTS
+from hf_rmsnorm.patch import derived_runtime, guard
 
 
 ROWS, HIDDEN = 3, 64
@@ -84,17 +85,21 @@ def test_with_autograd_the_statistics_are_allocated_for_the_backward(monkeypatch
 # call's, several times the add's, far more often than the add's.
 DECODE_ROWS, DECODE_HIDDEN = 1, 2048
 CALLS_PER_TIMING, ROUNDS = 10, 1001
-# The budget of a patched norm's call, made as a patched layer makes it (through nn.Module.__call__), in aten adds.
-# What it runs, timed apart on a 2-core CPU host with CPython 3.11: its two output allocations (``empty_like``, 1.0
-# add together: an add allocates its output too), the launch through the cached launcher (0.8, the stand-in binary's
-# own Python included), ``nn.Module.__call__`` (0.75 with a keyword argument), the forward's reads of eps, weight and
-# bias (0.5, 0.4 of it the weight's ``getattr``), the bound launch's key, lookup and per-call checks (1.2: the key
-# reads ten tensor attributes) and the launch's arguments (contiguity, row count, alignment, the argument tuple:
-# 1.3). Together 5.6 adds for ``norm(x, residual=r)``, the widest call (5.7 measured there; ``norm(x)`` 4.6,
-# ``fused_add_rms_norm`` through the functional API 5.0; before the launch was bound, 7.1 and 6.1; issue 28 asked for
-# 2.5, below the 3 adds that the allocations, the launch, the module call and the attribute reads take alone). The
-# budget leaves a quarter for hosts whose Python is slower against torch's dispatch.
-BOUND_CALL_MAX_ADDS = 7
+# A patched norm's call as a registered layer shape makes it: the layer asks the guard, which hands it the norm's
+# bound forward (``guard.unwatched_call``, skipping ``nn.Module.__call__``'s dispatch), and calls that with the
+# residual. What it runs, timed apart on the project's 2-core CPU host (CPython 3.11, torch 2.13), in adds: the guard
+# 0.3; the forward's reads of eps and the weight 0.6 (0.35 of it the weight's ``getattr`` through
+# ``nn.Module.__getattr__``); the bound launch's key, lookup and per-call checks 1.2 (the key reads eight tensor
+# attributes: 0.6); the launch's arguments (contiguity, row count, the alignment of five pointers: 0.4, the argument
+# tuple) 1.2; its two output allocations (``empty_like``) 1.0; the launch through the cached launcher 1.0 (0.27 of it
+# the stand-in binary's own Python). Together 5.5; the interleaved ratio below measures 5.0-5.2. A derived layer's
+# ``norm_of_sum`` also compares the two tensors' shapes and devices (5.3-5.6); ``nn.Module.__call__`` adds about
+# 0.5-1.0 to a direct call of the module (``norm(x, residual=r)`` 5.45-5.7, ``norm(x)`` 4.2-4.4). Issue 28 asked for
+# 2.5, less than the allocations, the launch, the guard and the attribute reads take together (~2.9). Each budget
+# leaves a quarter on the Python part (all but the allocations) for hosts whose Python is slower against torch's
+# dispatch.
+FUSED_SITE_MAX_ADDS = 6.5
+CALL_MAX_ADDS = 7
 
 
 def _median_ratio(call, reference) -> float:
@@ -119,11 +124,15 @@ def _patched_norm(hidden: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.
     return norm
 
 
+# Each call with its budget in adds.
 DECODE_CALLS = {
-    "norm(x)": lambda norm, x, r: norm(x),
-    "norm(x, residual=r)": lambda norm, x, r: norm(x, residual=r),
-    "norm(x, add_to=r)": lambda norm, x, r: norm(x, add_to=r),
-    "fused_add_rms_norm": lambda norm, x, r: fused_add_rms_norm(x, r, norm.weight, norm.variance_epsilon),
+    "a layer shape's fused add": (lambda norm, x, r: guard.unwatched_call(norm)(x, residual=r), FUSED_SITE_MAX_ADDS),
+    "a derived layer's norm_of_sum": (lambda norm, x, r: derived_runtime.norm_of_sum(norm, r, x), CALL_MAX_ADDS),
+    "norm(x)": (lambda norm, x, r: norm(x), CALL_MAX_ADDS),
+    "norm(x, residual=r)": (lambda norm, x, r: norm(x, residual=r), CALL_MAX_ADDS),
+    "norm(x, add_to=r)": (lambda norm, x, r: norm(x, add_to=r), CALL_MAX_ADDS),
+    "fused_add_rms_norm": (lambda norm, x, r: fused_add_rms_norm(x, r, norm.weight, norm.variance_epsilon),
+                           CALL_MAX_ADDS),
 }
 
 
@@ -138,7 +147,7 @@ def test_a_patched_norms_decode_call_costs_a_few_aten_adds_of_host_time(monkeypa
     norm = _patched_norm(DECODE_HIDDEN)
     g = torch.Generator().manual_seed(0)
     x, residual = (torch.randn(DECODE_ROWS, DECODE_HIDDEN, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    call = DECODE_CALLS[name]
+    call, budget = DECODE_CALLS[name]
     general_calls = []
     with torch.no_grad():
         call(norm, x, residual)  # binds the launch
@@ -149,7 +158,7 @@ def test_a_patched_norms_decode_call_costs_a_few_aten_adds_of_host_time(monkeypa
           "host time")
     assert not general_calls
     assert kernel.cached_launches >= ROUNDS * CALLS_PER_TIMING  # the cached path ran, not Triton's own
-    assert ratio <= BOUND_CALL_MAX_ADDS
+    assert ratio <= budget
 
 
 def test_the_public_functions_are_imported_once():

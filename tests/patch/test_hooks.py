@@ -16,6 +16,7 @@ from transformers.utils.output_capturing import install_output_capuring_hook
 
 from harness import residual_census
 from hf_rmsnorm import patch_model
+from hf_rmsnorm.patch import guard
 
 # A global backward hook fires on every module, the model's own call included (whose output is no tensor) and
 # those no input of which needs a gradient: PyTorch warns of both.
@@ -103,10 +104,30 @@ def _register(kind: str, scope: str, target: torch.nn.Module, seen: list):
             "backward pre": target.register_full_backward_pre_hook}[kind](hook)
 
 
-def _hooked_runs(family: str, target: str, kind: str, scope: str, when: str, monkeypatch) -> dict:
+class _RegisteredWhileRunning:
+    """A hook registered by a forward pre-hook of ``trigger`` at its first call, during the model's forward (code a
+    layer runs); ``remove()`` removes both."""
+
+    def __init__(self, kind: str, scope: str, target: torch.nn.Module, seen: list, trigger: torch.nn.Module):
+        self.handles = []
+
+        def register(module, args):
+            if len(self.handles) == 1:
+                self.handles.append(_register(kind, scope, target, seen))
+
+        self.handles.append(trigger.register_forward_pre_hook(register))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _hooked_runs(family: str, target: str, kind: str, scope: str, when: str, monkeypatch,
+                 trigger: str | None = None) -> dict:
     """One training step of ``family``'s model unpatched, patched with no add fused and patched, each with the hook
-    registered on its module ``target`` ``when`` ("before" or "after") it is patched: per variant, ``(fused adds,
-    logits, gradients, what the hook saw)``; and ``"restored"``, the patched model's step once the hook is gone."""
+    registered on its module ``target`` ``when`` ("before" or "after") it is patched (``trigger``: by the module of
+    that name, when the forward first calls it: ``_RegisteredWhileRunning``): per variant, ``(fused adds, logits,
+    gradients, what the hook saw)``; and ``"restored"``, the patched model's step once the hook is gone."""
     model = family_model(family)
     ids = input_ids(seq=6)
     runs = {}
@@ -115,7 +136,10 @@ def _hooked_runs(family: str, target: str, kind: str, scope: str, when: str, mon
         m, seen = clone(model), []
         if when == "after":
             patch(m)
-        handle = _register(kind, scope, m.get_submodule(target), seen)
+        if trigger is None:
+            handle = _register(kind, scope, m.get_submodule(target), seen)
+        else:
+            handle = _RegisteredWhileRunning(kind, scope, m.get_submodule(target), seen, m.get_submodule(trigger))
         try:
             if when == "before":
                 patch(m)
@@ -198,3 +222,66 @@ def test_an_output_recorder_keeps_the_handoff_only_when_it_records_the_sum(index
     patch_model(model)
     install_output_capuring_hook(model.model.layers[0], "hidden_states", index)
     assert residual_census.fused_adds(model, lambda m: m(input_ids())) == fused
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre"])
+def test_a_hook_registered_on_the_next_norm_while_the_layer_runs_sees_the_unpatched_call(kind, monkeypatch):
+    """The loop asks before a layer runs whether it may hand its output add to the next norm; code the layer runs
+    (here a pre-hook of its MLP) may hook that norm since. The add asks again (``guard.unwatched_call``) and makes
+    the plain add: the next layer's norm is called on the sum, as unpatched."""
+    runs = _hooked_runs("llama", "model.layers.1.input_layernorm", kind, "module", "after", monkeypatch,
+                        trigger="model.layers.0.mlp")
+    _assert_as_unfused(runs, "llama", CASES["llama"].adds - 1)
+
+
+def _patched_norm() -> torch.nn.Module:
+    norm = tiny_model("llama", layers=1).model.norm
+    patch_model(norm)
+    return norm
+
+
+def test_an_unwatched_norm_is_called_through_its_forward():
+    """With no hook, a fused site calls the norm's bound ``forward`` itself (what ``nn.Module.__call__`` would
+    call), an instance's own ``forward`` included; with any, nothing (the site makes the plain calls)."""
+    norm = _patched_norm()
+    call = guard.unwatched_call(norm)
+    assert call.__self__ is norm and call.__func__ is type(norm).forward
+    x, residual = torch.randn(2, 3, norm.weight.numel()), torch.randn(2, 3, norm.weight.numel())
+    for y, expected in zip(call(x, residual=residual), norm(x, residual=residual)):
+        assert torch.equal(y, expected)
+    seen = []
+    norm.forward = lambda *args, **kwargs: seen.append(args) or type(norm).forward(norm, *args, **kwargs)
+    guard.unwatched_call(norm)(x)
+    assert len(seen) == 1
+    del norm.forward
+    handle = norm.register_forward_hook(lambda *args: None)
+    assert guard.unwatched_call(norm) is None
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *args: None)
+    assert guard.unwatched_call(norm) is None
+    handle.remove()
+
+
+def test_a_norm_whose_call_does_more_than_its_forward_is_called_as_a_module(monkeypatch):
+    """Where ``nn.Module.__call__`` would do more than call ``forward``, the site calls the module: compiled on its
+    own, traced by ``torch.jit.trace``, ``__call__`` or ``_call_impl`` overridden by its class or wrapped by a
+    profiler, ``_call_impl`` shadowed on the instance."""
+    norm = _patched_norm()
+    norm.compile()
+    assert guard.unwatched_call(norm) is norm
+    norm = _patched_norm()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._C, "_get_tracing_state", lambda: object())
+        assert guard.unwatched_call(norm) is norm
+    norm.__dict__["_call_impl"] = lambda *args, **kwargs: None
+    assert guard.unwatched_call(norm) is norm
+    del norm.__dict__["_call_impl"]
+    for attribute in ("__call__", "_call_impl"):
+        with monkeypatch.context() as patch:
+            wrapped = getattr(torch.nn.Module, attribute)
+            patch.setattr(torch.nn.Module, attribute, lambda self, *args, **kwargs: wrapped(self, *args, **kwargs))
+            assert guard.unwatched_call(norm) is norm
+        overriding = _patched_norm()
+        overriding.__class__ = type("Overriding", (type(norm),), {attribute: lambda self, *args, **kwargs: None})
+        assert guard.unwatched_call(overriding) is overriding
+    assert guard.unwatched_call(norm).__self__ is norm
