@@ -17,7 +17,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
-from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
+from .kernels import column_bwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
 from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
 from .qk_kernels import qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
@@ -166,8 +166,8 @@ def is_traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel, qk_norm_rope_fwd_kernel,
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel,
+                                                              row_dot_kernel, column_bwd_kernel, qk_norm_rope_fwd_kernel,
                                                               qk_norm_rope_bwd_kernel)}
 
 
@@ -355,6 +355,52 @@ def norm_forward(
     if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
         return launch(x, residual, weight, bias, eps, residual_after, wrap_triton(norm_fwd_kernel))
     return launch(x, residual, weight, bias, eps, residual_after)
+
+
+def norm_add_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    weight2: torch.Tensor | None,
+    bias2: torch.Tensor | None,
+    eps2: float,
+    mode: str,
+    store_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(y, total, stats, stats2)`` with ``total = residual + norm(x)`` (``norm_forward`` with ``residual_after``:
+    ``residual`` of ``x``'s shape and of the norm's output dtype) and ``y = norm2(total)`` (``weight2``, ``bias2``,
+    ``eps2``, the same mode), ``stats`` and ``stats2`` each norm's statistics (None unless ``store_stats``). One
+    launch of ``norm_add_norm_fwd_kernel`` where the forward's plan for the sum's width and dtype is a single tile;
+    wider rows take ``norm_forward`` twice, which computes the same values (each kernel rounds where the other
+    does)."""
+    n_cols = int(x.shape[-1])  # concrete, as in norm_forward
+    tiling = forward_plan(n_cols, max(x.element_size(), residual.element_size()), device_arch(x.get_device()))
+    if not tiling.single_tile:
+        total, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
+                                       store_stats=store_stats)
+        y, _, stats2 = norm_forward(total, None, weight2, bias2, eps2, mode, store_stats=store_stats)
+        return y, total, stats, stats2
+    m = get_mode(mode)
+    total = _new_rows(x, residual.dtype)
+    y = _new_rows(total, m.output_dtype_of(total.dtype, dtype_of(weight2), dtype_of(bias2)))
+    stats, stats2 = (tuple(torch.empty(m.stats_shape(x.shape), dtype=torch.float32, device=x.device)
+                           for _ in range(2)) if store_stats else (None, None))
+    n_rows = y.numel() // n_cols if n_cols else 0
+    if n_rows == 0:
+        return y, total, stats, stats2
+    x2, stride_x = _as_rows(x, n_cols)
+    r2, stride_r = _as_rows(residual, n_cols)
+    weight, bias, weight2, bias2 = (None if t is None else t.contiguous() for t in (weight, bias, weight2, bias2))
+    constexprs = dict(HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_WEIGHT2=weight2 is not None,
+                      HAS_BIAS2=bias2 is not None, **m.forward_kernel_flags, BLOCK_M=tiling.block_m,
+                      BLOCK_N=tiling.block_n, STORE_STATS=store_stats)
+    args = (x2, r2, weight, bias, total, stats, weight2, bias2, y, stats2, n_rows, n_cols, stride_x, stride_r, eps,
+            eps2)
+    kernel = wrap_triton(norm_add_norm_fwd_kernel) if is_traced(x) else norm_add_norm_fwd_kernel
+    _launch(kernel, cdiv(n_rows, tiling.block_m), args, constexprs, tiling.num_warps)
+    return y, total, stats, stats2
 
 
 def program_slots(programs_per_sm: int, device_index: int) -> int:
