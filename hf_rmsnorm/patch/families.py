@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from .shapes import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, SEQUENTIAL, LayerShape
 
@@ -39,6 +39,16 @@ class NormKind:
     weight_attr: str | None = "weight"
     eps: float | None = None
     weight_offset: float = 0.0
+
+    def arguments(self, module: nn.Module) -> tuple[Tensor | None, float, Tensor | None]:
+        """``(weight, eps, bias)`` of a norm ``module`` of this kind as the kernels take them, read now: the user
+        may replace or edit them between calls."""
+        eps = self.eps if self.eps_attr is None else getattr(module, self.eps_attr)
+        weight = None if self.weight_attr is None else getattr(module, self.weight_attr)
+        if self.weight_offset:
+            weight = weight + self.weight_offset
+        bias = None if self.bias_attr is None else getattr(module, self.bias_attr)
+        return weight, eps, bias
 
 
 # nn.LayerNorm is everywhere, so it is not matched through a family: every one gets the exact fused add + LayerNorm

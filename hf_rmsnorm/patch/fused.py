@@ -162,12 +162,7 @@ def _norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *
     hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
     kind: NormKind = self._hf_rmsnorm_kind
     bound: BoundNorm = self._hf_rmsnorm_norm
-    # Read on every call: the user may replace or edit them between calls.
-    eps = kind.eps if kind.eps_attr is None else getattr(self, kind.eps_attr)
-    weight = None if kind.weight_attr is None else getattr(self, kind.weight_attr)
-    if kind.weight_offset:
-        weight = weight + kind.weight_offset
-    bias = None if kind.bias_attr is None else getattr(self, kind.bias_attr)
+    weight, eps, bias = kind.arguments(self)
     if add_to is not None:
         return bound.norm_add(hidden_states, add_to, weight, eps, bias)
     if residual is not None:
