@@ -159,3 +159,33 @@ def test_a_mismatched_second_weight_names_the_problem():
     x, r = _randn(2, 16, seed=19), _randn(2, 16, seed=20)
     with pytest.raises(ValueError, match="weight"):
         norm_add_norm(x, r, None, EPS, bias=None, weight2=_randn(15, seed=21), eps2=EPS2, bias2=None, mode="gemma")
+
+
+def test_torch_compile_records_the_operator_and_the_two_backwards():
+    """A compiled call (fullgraph) on the CPU is the opaque custom op, and its backward the two norms' backward ops:
+    the values and gradients of the eager call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops = []
+
+    def capture(gm, _example_inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm)
+
+    x, r = _randn(3, 16, dtype=torch.bfloat16, seed=22), _randn(3, 16, dtype=torch.bfloat16, seed=23)
+    w1, w2, _, _ = _parameters("gemma", 16, torch.bfloat16)
+
+    def loss(*leaves):
+        y, total = _fused(*leaves[:3], None, leaves[3], None, "gemma")
+        return (y.float() * 2 + total.float()).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture), fullgraph=True)
+    results = []
+    for fn in (compiled, loss):
+        leaves = _leaves(x, r, w1, w2)
+        value = fn(*leaves)
+        results.append((value, *torch.autograd.grad(value, leaves)))
+    assert "hf_rmsnorm.norm_add_norm_fwd.default" in ops and ops.count("hf_rmsnorm.norm_bwd.default") == 2
+    assert all(torch.equal(a, b) for a, b in zip(*results))
