@@ -48,7 +48,10 @@ from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .dtensor import call_on_local_shards, holds_dtensor
-from .launch import ForwardLaunch, forward_launch, is_traced, norm_add_norm_forward, norm_backward, norm_forward
+from .launch import (
+    ForwardLaunch, SandwichLaunch, forward_launch, is_traced, norm_add_norm_forward, norm_backward, norm_forward,
+    sandwich_launch,
+)
 from .modes import MODES, dtype_of, get_mode, sum_dtype
 from .tuning import device_arch, reads_tuned_plans
 
@@ -469,8 +472,8 @@ def norm_add_norm(
 
 
 class BoundNorm:
-    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode (``bound_norm``), which every call of the norms goes
-    through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
+    """``norm``, ``fused_add_norm``, ``norm_add`` and ``norm_add_norm`` of one mode (``bound_norm``), which every call
+    of the norms goes through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
     eager call that records no gradient takes a launch bound once per combination of what decides it, instead of
     working it out again: decode calls are bound by host time.
 
@@ -501,6 +504,8 @@ class BoundNorm:
         self._norm = reads_tuned_plans(_LaunchCache())
         self._fused_add_norm = reads_tuned_plans(_LaunchCache())
         self._norm_add = reads_tuned_plans(_LaunchCache())
+        # binding key of both norms (``_sandwich_key``) -> SandwichLaunch, or None where the general path runs.
+        self._norm_add_norm = reads_tuned_plans(_LaunchCache())
 
     def norm(self, x: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None) -> Tensor:
         """``norm(x, weight, eps, bias=bias, mode=self.mode)``."""
@@ -540,9 +545,28 @@ class BoundNorm:
 
     def norm_add_norm(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None,
                       weight2: Tensor | None, eps2: float, bias2: Tensor | None) -> tuple[Tensor, Tensor]:
-        """``norm_add_norm(..., mode=self.mode)``: always the general path (no bound launch: its host time is the
-        general path's, one launch instead of two)."""
-        return _norm_add_norm(x, residual, weight, eps, bias, weight2, eps2, bias2, self.mode)
+        """``norm_add_norm(..., mode=self.mode)``, bound as the other ops are under a key of both norms
+        (``_sandwich_key``: the second norm's weight and bias are keyed as the first's); each call still checks the
+        residual's shape and both ``eps``."""
+        key = _sandwich_key(x, residual, weight, bias, weight2, bias2)
+        launch = None if key is None else self._norm_add_norm.get(key)
+        if (launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf
+                and 0.0 <= (eps2 := float(eps2)) < math.inf):
+            y, total, _, _ = launch(x, residual, weight, bias, eps, weight2, bias2, eps2)
+            return y, total
+        out = _norm_add_norm(x, residual, weight, eps, bias, weight2, eps2, bias2, self.mode)
+        if key is not None and key not in self._norm_add_norm:
+            self._norm_add_norm[key] = self._bind_sandwich(x, residual, weight, bias, weight2, bias2)
+        return out
+
+    def _bind_sandwich(self, x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                       weight2: Tensor | None, bias2: Tensor | None) -> SandwichLaunch | None:
+        """The binding of a general-path ``norm_add_norm`` call that returned: the ``SandwichLaunch`` it launched, or
+        None where it ran anything else (``_norm_add_norm_forward``'s other branches)."""
+        if not (_adds_in_kernel(x, residual, weight, bias, self.mode) and runs_kernels(x, weight2, bias2)):
+            return None
+        return sandwich_launch(x.dtype, residual.dtype, dtype_of(weight), dtype_of(bias), dtype_of(weight2),
+                               dtype_of(bias2), int(x.shape[-1]), self.mode, False, device_arch(x.get_device()))
 
     def _bind(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
               add_after: bool) -> ForwardLaunch | None:
@@ -598,9 +622,22 @@ def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
     return (
         x.dtype, x.device, shape[-1],
         None if residual is None else (residual.dtype, residual.device),
-        None if weight is None else (weight.dtype, weight.device, weight.shape),
-        None if bias is None else (bias.dtype, bias.device, bias.shape),
+        _parameter_key(weight), _parameter_key(bias),
     )
+
+
+def _parameter_key(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.dtype, t.device, t.shape)
+
+
+def _sandwich_key(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, weight2: Tensor | None,
+                  bias2: Tensor | None) -> tuple | None:
+    """``_binding_key`` of the first norm's arguments with the second norm's weight and bias (checked against the
+    sum, which has ``x``'s last dimension and device) keyed as the first's; None where either is unbindable."""
+    key = _binding_key(x, residual, weight, bias)
+    if key is None or type(weight2) not in _BINDABLE_TYPES or type(bias2) not in _BINDABLE_TYPES:
+        return None
+    return key, _parameter_key(weight2), _parameter_key(bias2)
 
 
 # The general paths, which every call not served by a bound launch takes: DTensor arguments on their local shards,

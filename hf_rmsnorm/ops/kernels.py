@@ -16,6 +16,10 @@ Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK
 blocks: a first pass computes the sum of squares (and writes the residual sum), a second pass re-reads the
 row, which the first pass has just brought into L2, and writes the output.
 
+``norm_add_norm_fwd_kernel`` is two single-tile forwards in one launch, for sandwich norms: ``residual + norm(x)``
+as the forward's ``ADD_AFTER`` computes it, then the next norm of that rounded sum, kept in registers between the
+two (``_normalise_tile`` is the one body both kernels run per tile).
+
 ``CENTER`` turns the kernels into LayerNorm (the row mean is subtracted before the RMS; the mean is stored
 next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm. The
 forward's ``DIVIDE_BY_STD`` (DeBERTa's LayerNorm) divides the centred row by ``sqrt(var + eps)``, rounded to

@@ -189,3 +189,30 @@ def test_torch_compile_records_the_operator_and_the_two_backwards():
         results.append((value, *torch.autograd.grad(value, leaves)))
     assert "hf_rmsnorm.norm_add_norm_fwd.default" in ops and ops.count("hf_rmsnorm.norm_bwd.default") == 2
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_an_eager_call_without_gradient_is_bound_once_and_computes_as_the_general_path(monkeypatch):
+    """``BoundNorm.norm_add_norm``: the first call takes the general path and binds the launch; later calls with
+    the same dtypes, devices and width launch it directly, with the values of the general path and each call's
+    own eps; one whose residual has another shape still takes the general path, and its error."""
+    from hf_rmsnorm.ops import functional
+
+    x, r = _randn(5, 96, dtype=torch.bfloat16, seed=24), _randn(5, 96, dtype=torch.bfloat16, seed=25)
+    w1, w2, _, _ = _parameters("gemma", 96, torch.bfloat16)
+
+    def call(eps2=EPS2, residual=r):
+        return norm_add_norm(x, residual, w1, EPS, bias=None, weight2=w2, eps2=eps2, bias2=None, mode="gemma")
+
+    with torch.no_grad():
+        call()  # binds
+        general = []
+        real = functional._norm_add_norm
+        monkeypatch.setattr(functional, "_norm_add_norm", lambda *args: general.append(args) or real(*args))
+        bound = [call(), call(eps2=0.5)]
+        assert not general
+        monkeypatch.setattr(functional, "_norm_add_norm", real)
+        expected = [_two_ops(x, r, w1, None, w2, None, "gemma"),
+                    (norm(norm_add(x, r, w1, EPS, bias=None, mode="gemma"), w2, 0.5, bias=None, mode="gemma"),)]
+        assert all(torch.equal(a, b) for got, want in zip(bound, expected) for a, b in zip(got, want))
+        with pytest.raises(ValueError, match="shape"):
+            call(residual=r[:4])
