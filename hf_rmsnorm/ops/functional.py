@@ -473,9 +473,9 @@ def norm_add_norm(
 
 class BoundNorm:
     """``norm``, ``fused_add_norm``, ``norm_add`` and ``norm_add_norm`` of one mode (``bound_norm``), which every call
-    of the norms goes through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
-    eager call that records no gradient takes a launch bound once per combination of what decides it, instead of
-    working it out again: decode calls are bound by host time.
+    of the norms goes through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public
+    functions'. An eager call that records no gradient takes a launch bound once per combination of what decides
+    it, instead of working it out again: decode calls are bound by host time.
 
     Such a call, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the kernel's plan, flags and
     launch) under a key of everything the argument checks read except what varies from call to call: the op;

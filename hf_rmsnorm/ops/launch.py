@@ -166,9 +166,10 @@ def is_traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel,
-                                                              row_dot_kernel, column_bwd_kernel, qk_norm_rope_fwd_kernel,
-                                                              qk_norm_rope_bwd_kernel)}
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (
+    norm_fwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel, column_bwd_kernel,
+    qk_norm_rope_fwd_kernel, qk_norm_rope_bwd_kernel,
+)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
