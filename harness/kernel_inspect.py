@@ -52,8 +52,11 @@ SM_COUNTS = {"sm_80": 108, "sm_90": 132}
 # these kernels do not take (odd head dims, rows wider than their tile) make no launch.
 QK_VARIANTS = ("qk-fwd", "qk-infer", "qk-bwd", "qk-whole-fwd", "qk-whole-bwd")
 QK_Q_HEADS, QK_K_HEADS, QK_HEAD_DIM = 32, 8, 128
+# "sandwich" variants: a sandwich norm's norm, add and next norm in one launch (norm_add_norm_fwd_kernel), with the
+# statistics or without ("sandwich-infer"); rows wider than one tile make no such launch (the "fwd" variants' two).
+SANDWICH_VARIANTS = ("sandwich", "sandwich-infer")
 VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias",
-            "bwd-dot", *QK_VARIANTS)
+            "bwd-dot", *QK_VARIANTS, *SANDWICH_VARIANTS)
 # The most a variant may spill, in bytes a thread (issue 28): a few reloads per row. The plans send a backward
 # whose single tile would spill more to the wide kernels (launch.bwd_max_tile_n).
 MAX_SPILL_BYTES = 64
@@ -182,6 +185,17 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
     weight = torch.empty(hidden, dtype=dtype, device="meta")
     bias = weight if "bias" in variant else None
     # The backward's dsum is the gradient of the residual sum: it exists only after a fused add.
+    if variant in SANDWICH_VARIANTS:
+        sandwich = _LaunchRecorder()
+        with (mock.patch.object(launch, "norm_add_norm_fwd_kernel", sandwich),
+              mock.patch.object(launch, "norm_fwd_kernel", _LaunchRecorder()),
+              mock.patch.object(launch, "device_arch", lambda _index: arch)):
+            launch.norm_add_norm_forward(tensor(), tensor(), weight, None, 1e-6, weight, None, 1e-6, mode,
+                                         store_stats=variant == "sandwich")
+        if not sandwich.calls:
+            return None
+        (args, kwargs), = sandwich.calls
+        return launch.norm_add_norm_fwd_kernel, args, kwargs
     residual = tensor() if "res" in variant or "dsum" in variant else None
     fwd, bwd = _LaunchRecorder(), _LaunchRecorder()
     wide_bwd, row_dot = _LaunchRecorder(), _LaunchRecorder()

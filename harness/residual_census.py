@@ -38,8 +38,9 @@ _ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Te
 # Ops whose result stays on the stream when their first operand is on it: a residual scaled before its add
 # (``residual * alpha + h``), or carried in another dtype (``residual.to(torch.float32)``).
 _CARRIERS = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.to, Tensor.float}
-# The methods a patched norm's forward calls when it adds (on its class's ``BoundNorm``: ``hf_rmsnorm.patch.fused``).
-_ADDING_KERNELS = ("fused_add_norm", "norm_add")
+# The methods a patched norm's forward calls when it adds (on its class's ``BoundNorm``: ``hf_rmsnorm.patch.fused``),
+# and the one a sandwich's two norms call together (``hf_rmsnorm.patch.sandwich``), which adds once too.
+_ADDING_KERNELS = ("fused_add_norm", "norm_add", "norm_add_norm")
 _PACKAGE = Path(fused.__file__).resolve().parents[1]
 
 

@@ -145,6 +145,10 @@ def main() -> None:
         # Every size symbolic: the graph is specialised on the width (the tiling depends on it), not on the rows.
         "fused_add_rms_norm_dynamic": _trace(lambda x, r, w: fused_add_rms_norm(x, r, w), (rows, bf16),
                                              (rows, bf16), (row, bf16), dynamic=True),
+        # A sandwich norm's two norms and the add between them: one launch.
+        "norm_add_norm": _trace(lambda x, r, w, w2: functional.norm_add_norm(
+            x, r, w, 1e-6, bias=None, weight2=w2, eps2=1e-5, bias2=None, mode="gemma"), (rows, bf16), (rows, bf16),
+            (row, fp32), (row, fp32)),
         "rms_norm_fp64": _trace(lambda x, w: rms_norm(x, w), (rows, fp64), (row, fp64)),
         "rms_norm_backward": _trace(rms_norm_backward, (rows, bf16), (rows, bf16), (row, bf16), (stats, fp32)),
         # A bf16 input added to an fp32 residual: the residual's gradient (fp32) is written apart from x's (bf16).
@@ -154,7 +158,8 @@ def main() -> None:
                                              (rows, fp32), (row, fp32), (rows, fp32), (stats, fp32), dynamic=True),
     }
     kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
-               for name in ("norm_fwd_triton", "add_norm_fwd_triton", "norm_add_fwd_triton", "norm_bwd_triton")}
+               for name in ("norm_fwd_triton", "add_norm_fwd_triton", "norm_add_fwd_triton",
+                            "norm_add_norm_fwd_triton", "norm_bwd_triton")}
     json.dump({"cases": cases, "kernels_of_ops": kernels}, sys.stdout)
 
 

@@ -48,7 +48,10 @@ from . import reference
 from .backend import runs_kernels
 from .checks import check_backward, check_forward
 from .dtensor import call_on_local_shards, holds_dtensor
-from .launch import ForwardLaunch, forward_launch, is_traced, norm_backward, norm_forward
+from .launch import (
+    ForwardLaunch, SandwichLaunch, forward_launch, is_traced, norm_add_norm_forward, norm_backward, norm_forward,
+    sandwich_launch,
+)
 from .modes import MODES, dtype_of, get_mode, sum_dtype
 from .tuning import device_arch, reads_tuned_plans
 
@@ -145,6 +148,41 @@ def _(x, residual, weight, bias, eps, mode):
     return residual.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, y.dtype)), stats
 
 
+def _norm_add_norm_forward(x, residual, weight, bias, eps, weight2, bias2, eps2, mode, store_stats=True):
+    """``(norm2(total), total, stats, stats2)`` with ``total = residual + norm(x)``: one kernel where
+    ``_adds_in_kernel`` (and the second norm's parameters load), else ``_norm_add_forward`` then ``_forward``, or
+    the PyTorch implementation where the kernels do not run. ``norm2`` reads the sum, which has the residual's
+    shape and device: its arguments are checked against the residual's."""
+    check_forward(x, residual, weight, bias, eps, mode)
+    check_forward(residual, None, weight2, bias2, eps2, mode)
+    if _adds_in_kernel(x, residual, weight, bias, mode) and runs_kernels(x, weight2, bias2):
+        return norm_add_norm_forward(x, residual, weight, bias, eps, weight2, bias2, eps2, mode, store_stats)
+    if not runs_kernels(x, residual, weight, bias, weight2, bias2):
+        return reference.norm_add_norm_reference(x, residual, weight, bias, eps, weight2, bias2, eps2, mode)
+    total, stats = _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats)
+    y, _, stats2 = _forward(total, None, weight2, bias2, eps2, mode, store_stats)
+    return y, total, stats, stats2
+
+
+def _norm_add_norm_impl(
+    x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+    weight2: Tensor | None, bias2: Tensor | None, eps2: float, mode: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _norm_add_norm_forward(x, residual, weight, bias, eps, weight2, bias2, eps2, mode)
+
+
+_norm_add_norm_fwd = define_ops("norm_add_norm_fwd", _norm_add_norm_impl)
+
+
+@_norm_add_norm_fwd.register_fake
+def _(x, residual, weight, bias, eps, weight2, bias2, eps2, mode):
+    check_forward(residual, None, weight2, bias2, eps2, mode)
+    normed, _, stats = _fake_forward(x, None, weight, bias, eps, mode)
+    total = residual.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, normed.dtype))
+    y, _, stats2 = _fake_forward(total, None, weight2, bias2, eps2, mode)
+    return y, total, stats, stats2
+
+
 def _norm_bwd_impl(
     dy: Tensor,
     dsum: Tensor | None,
@@ -197,8 +235,15 @@ def _save_common(ctx, norm_input: Tensor, stats: Tensor, weight: Tensor, bias: T
 
 def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
     norm_input, stats, weight = ctx.saved_tensors
+    return _backward_of(dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype)
+
+
+def _backward_of(dy: Tensor | None, dsum: Tensor | None, norm_input: Tensor, stats: Tensor, weight: Tensor | None,
+                 bias_dtype: torch.dtype | None, mode: str, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
+    """One norm's backward (``_norm_bwd_impl``'s outputs, None where absent) through the implementation the call
+    needs (below)."""
     if dy is None:
-        y_dtype = get_mode(ctx.mode).output_dtype(norm_input.dtype, weight, None)
+        y_dtype = get_mode(mode).output_dtype(norm_input.dtype, weight, None)
         dy = norm_input.new_zeros(norm_input.shape, dtype=y_dtype)
     # An operator only where one is needed: while a graph is traced (torch.compile, whose backward may be traced
     # outside Dynamo, on fake or functional tensors) and for other tensor subclasses, which the custom op's
@@ -211,9 +256,9 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
     else:
         backward = _norm_bwd_impl if plain else _CUSTOM_OPS.backward
     dx, dres, dweight, dbias = backward(
-        dy, dsum, norm_input, stats, weight, ctx.bias_dtype, ctx.mode, dx_dtype, dres_dtype
+        dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
     )
-    return dx, dres, (dweight if weight is not None else None), (dbias if ctx.bias_dtype is not None else None)
+    return dx, dres, (dweight if weight is not None else None), (dbias if bias_dtype is not None else None)
 
 
 def _norm_setup(ctx, inputs, output):
@@ -256,6 +301,36 @@ def _norm_add_backward(ctx, dout, _dstats):
     return dx, dres, dweight, dbias, None, None
 
 
+def _norm_add_norm_setup(ctx, inputs, output):
+    x, residual, weight, bias, _eps, weight2, bias2, _eps2, mode = inputs
+    _y, total, stats, stats2 = output
+    # Both norms' inputs, statistics and weights: the sum is an output, so nothing is saved twice.
+    ctx.save_for_backward(x, stats, weight, total, stats2, weight2)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.bias2_dtype = None if bias2 is None else bias2.dtype
+    ctx.mode = mode
+    ctx.x_dtype = x.dtype
+    ctx.res_dtype = residual.dtype
+    ctx.set_materialize_grads(False)
+
+
+def _norm_add_norm_backward(ctx, dy, dtotal, _dstats, _dstats2):
+    # The second norm's backward, then the first's norm_add backward: the two ops' own, in the order autograd runs
+    # them for ``norm_add`` then ``norm``. The sum's gradient is what autograd accumulates there: the second norm's
+    # input gradient, rounded to the sum's dtype, plus the gradient from the sum's other readers, added in that
+    # dtype (not folded into the kernel before its rounding, which would round once instead of twice): the
+    # gradients are bitwise the two ops'.
+    x, stats, weight, total, stats2, weight2 = ctx.saved_tensors
+    dweight2 = dbias2 = None
+    if dy is not None:
+        dnorm2, _, dweight2, dbias2 = _backward_of(dy, None, total, stats2, weight2, ctx.bias2_dtype, ctx.mode,
+                                                   total.dtype, None)
+        dtotal = dnorm2 if dtotal is None else dnorm2 + dtotal
+    dx, _, dweight, dbias = _backward_of(dtotal, None, x, stats, weight, ctx.bias_dtype, ctx.mode, ctx.x_dtype, None)
+    dres = None if dtotal is None else dtotal.to(ctx.res_dtype)
+    return dx, dres, dweight, dbias, None, dweight2, dbias2, None, None
+
+
 def register_autograd_of(name: str, backward, setup) -> None:
     """The same autograd formula for both of ``define_ops``'s operators."""
     for op in (name, f"{name}_triton"):
@@ -265,6 +340,7 @@ def register_autograd_of(name: str, backward, setup) -> None:
 register_autograd_of("norm_fwd", _norm_backward, _norm_setup)
 register_autograd_of("norm_add_fwd", _norm_add_backward, _norm_add_setup)
 register_autograd_of("add_norm_fwd", _add_norm_backward, _add_norm_setup)
+register_autograd_of("norm_add_norm_fwd", _norm_add_norm_backward, _norm_add_norm_setup)
 
 
 class _Ops(NamedTuple):
@@ -273,10 +349,11 @@ class _Ops(NamedTuple):
     norm: Any
     add_norm: Any
     norm_add: Any
+    norm_add_norm: Any
     backward: Any
 
 
-_OP_NAMES = ("norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_bwd")
+_OP_NAMES = ("norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_add_norm_fwd", "norm_bwd")
 _CUSTOM_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, name) for name in _OP_NAMES))
 _TRITON_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, f"{name}_triton") for name in _OP_NAMES))
 
@@ -316,6 +393,8 @@ def autograd_function(name: str, impl, setup, backward) -> type:
 _NormFunction = autograd_function("_NormFunction", _norm_impl, _norm_setup, _norm_backward)
 _AddNormFunction = autograd_function("_AddNormFunction", _add_norm_impl, _add_norm_setup, _add_norm_backward)
 _NormAddFunction = autograd_function("_NormAddFunction", _norm_add_impl, _norm_add_setup, _norm_add_backward)
+_NormAddNormFunction = autograd_function("_NormAddNormFunction", _norm_add_norm_impl, _norm_add_norm_setup,
+                                         _norm_add_norm_backward)
 
 
 def needs_autograd(*tensors: Tensor | None) -> bool:
@@ -375,11 +454,28 @@ def norm_add(
     return bound_norm(mode).norm_add(x, residual, weight, eps, bias)
 
 
+def norm_add_norm(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, bias: Tensor | None,
+    weight2: Tensor | None, eps2: float, bias2: Tensor | None, mode: str,
+) -> tuple[Tensor, Tensor]:
+    """``(norm2(total), total)`` with ``total = norm_add(x, residual, weight, eps, bias=bias, mode=mode)`` and
+    ``norm2`` the norm of ``weight2``, ``eps2`` and ``bias2`` in the same mode: a sandwich norm's add between two
+    norms (Gemma 2-4's ``residual + post_attention_layernorm(h)``, read by ``pre_feedforward_layernorm``), in one
+    launch for rows of one tile (``launch.norm_add_norm_forward``), with exactly the values and gradients of
+    ``norm_add`` then ``norm``.
+
+    Raises:
+        TypeError, ValueError: as ``norm_add`` for ``x``, ``residual`` and the first norm's parameters; as ``norm``
+            of the sum (of the residual's shape and device) for the second's.
+    """
+    return bound_norm(mode).norm_add_norm(x, residual, weight, eps, bias, weight2, eps2, bias2)
+
+
 class BoundNorm:
-    """``norm``, ``fused_add_norm`` and ``norm_add`` of one mode (``bound_norm``), which every call of the norms goes
-    through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public functions'. An
-    eager call that records no gradient takes a launch bound once per combination of what decides it, instead of
-    working it out again: decode calls are bound by host time.
+    """``norm``, ``fused_add_norm``, ``norm_add`` and ``norm_add_norm`` of one mode (``bound_norm``), which every call
+    of the norms goes through: a patched norm module's (``patch/fused.py``, which holds its mode's), and the public
+    functions'. An eager call that records no gradient takes a launch bound once per combination of what decides
+    it, instead of working it out again: decode calls are bound by host time.
 
     Such a call, on plain tensors (``_binding_key``), looks up its ``ForwardLaunch`` (the kernel's plan, flags and
     launch) under a key of everything the argument checks read except what varies from call to call: the op;
@@ -408,6 +504,8 @@ class BoundNorm:
         self._norm = reads_tuned_plans(_LaunchCache())
         self._fused_add_norm = reads_tuned_plans(_LaunchCache())
         self._norm_add = reads_tuned_plans(_LaunchCache())
+        # binding key of both norms (``_sandwich_key``) -> SandwichLaunch, or None where the general path runs.
+        self._norm_add_norm = reads_tuned_plans(_LaunchCache())
 
     def norm(self, x: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None) -> Tensor:
         """``norm(x, weight, eps, bias=bias, mode=self.mode)``."""
@@ -444,6 +542,31 @@ class BoundNorm:
         if key is not None and key not in self._norm_add:
             self._norm_add[key] = self._bind(x, residual, weight, bias, add_after=True)
         return out
+
+    def norm_add_norm(self, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, bias: Tensor | None,
+                      weight2: Tensor | None, eps2: float, bias2: Tensor | None) -> tuple[Tensor, Tensor]:
+        """``norm_add_norm(..., mode=self.mode)``, bound as the other ops are under a key of both norms
+        (``_sandwich_key``: the second norm's weight and bias are keyed as the first's); each call still checks the
+        residual's shape and both ``eps``."""
+        key = _sandwich_key(x, residual, weight, bias, weight2, bias2)
+        launch = None if key is None else self._norm_add_norm.get(key)
+        if (launch is not None and residual.shape == x.shape and 0.0 <= (eps := float(eps)) < math.inf
+                and 0.0 <= (eps2 := float(eps2)) < math.inf):
+            y, total, _, _ = launch(x, residual, weight, bias, eps, weight2, bias2, eps2)
+            return y, total
+        out = _norm_add_norm(x, residual, weight, eps, bias, weight2, eps2, bias2, self.mode)
+        if key is not None and key not in self._norm_add_norm:
+            self._norm_add_norm[key] = self._bind_sandwich(x, residual, weight, bias, weight2, bias2)
+        return out
+
+    def _bind_sandwich(self, x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None,
+                       weight2: Tensor | None, bias2: Tensor | None) -> SandwichLaunch | None:
+        """The binding of a general-path ``norm_add_norm`` call that returned: the ``SandwichLaunch`` it launched, or
+        None where it ran anything else (``_norm_add_norm_forward``'s other branches)."""
+        if not (_adds_in_kernel(x, residual, weight, bias, self.mode) and runs_kernels(x, weight2, bias2)):
+            return None
+        return sandwich_launch(x.dtype, residual.dtype, dtype_of(weight), dtype_of(bias), dtype_of(weight2),
+                               dtype_of(bias2), int(x.shape[-1]), self.mode, False, device_arch(x.get_device()))
 
     def _bind(self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
               add_after: bool) -> ForwardLaunch | None:
@@ -499,9 +622,22 @@ def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
     return (
         x.dtype, x.device, shape[-1],
         None if residual is None else (residual.dtype, residual.device),
-        None if weight is None else (weight.dtype, weight.device, weight.shape),
-        None if bias is None else (bias.dtype, bias.device, bias.shape),
+        _parameter_key(weight), _parameter_key(bias),
     )
+
+
+def _parameter_key(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.dtype, t.device, t.shape)
+
+
+def _sandwich_key(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, weight2: Tensor | None,
+                  bias2: Tensor | None) -> tuple | None:
+    """``_binding_key`` of the first norm's arguments with the second norm's weight and bias (checked against the
+    sum, which has ``x``'s last dimension and device) keyed as the first's; None where either is unbindable."""
+    key = _binding_key(x, residual, weight, bias)
+    if key is None or type(weight2) not in _BINDABLE_TYPES or type(bias2) not in _BINDABLE_TYPES:
+        return None
+    return key, _parameter_key(weight2), _parameter_key(bias2)
 
 
 # The general paths, which every call not served by a bound launch takes: DTensor arguments on their local shards,
@@ -543,6 +679,22 @@ def _norm_add(x, residual, weight, eps, bias, mode) -> Tensor:
     if needs_autograd(x, residual, weight, bias):
         return _NormAddFunction.apply(x, residual, weight, bias, eps, mode)[0]
     return _norm_add_forward(x, residual, weight, bias, eps, mode, store_stats=False)[0]
+
+
+def _norm_add_norm(x, residual, weight, eps, bias, weight2, eps2, bias2, mode) -> tuple[Tensor, Tensor]:
+    if holds_dtensor(x, residual, weight, bias, weight2, bias2):
+        # The two ops, each on the local shards (``dtensor.py``): the same values.
+        total = _norm_add(x, residual, weight, eps, bias, mode)
+        return _norm(total, weight2, eps2, bias2, mode), total
+    eps, eps2 = float(eps), float(eps2)
+    arguments = (x, residual, weight, bias, eps, weight2, bias2, eps2, mode)
+    if torch.compiler.is_compiling():
+        y, total, _, _ = _traced_ops(x).norm_add_norm(*arguments)
+    elif needs_autograd(x, residual, weight, bias, weight2, bias2):
+        y, total, _, _ = _NormAddNormFunction.apply(*arguments)
+    else:
+        y, total, _, _ = _norm_add_norm_forward(*arguments, store_stats=False)
+    return y, total
 
 
 def rms_norm(

@@ -16,6 +16,10 @@ Rows that fit in registers (``SINGLE_TILE``) are handled as 2-D tiles of ``BLOCK
 blocks: a first pass computes the sum of squares (and writes the residual sum), a second pass re-reads the
 row, which the first pass has just brought into L2, and writes the output.
 
+``norm_add_norm_fwd_kernel`` is two single-tile forwards in one launch, for sandwich norms: ``residual + norm(x)``
+as the forward's ``ADD_AFTER`` computes it, then the next norm of that rounded sum, kept in registers between the
+two (``_normalise_tile`` is the one body both kernels run per tile).
+
 ``CENTER`` turns the kernels into LayerNorm (the row mean is subtracted before the RMS; the mean is stored
 next to ``rstd``): Hugging Face's LayerNorm models run on it, with the residual add fused as for RMSNorm. The
 forward's ``DIVIDE_BY_STD`` (DeBERTa's LayerNorm) divides the centred row by ``sqrt(var + eps)``, rounded to
@@ -128,7 +132,8 @@ def _scale_and_store(
     ``y`` is rounded to ``Y``'s dtype and the residual tile added, rounded as torch rounds the add.
     ``runtime_one`` is 1.0, computed from a kernel argument so that the compiler cannot see it (see below).
     ``STREAMED`` (the looped forward's last pass): ``y`` and the residual tile are not read again by this kernel,
-    so they leave L2 first, ahead of the rows other programs still re-read."""
+    so they leave L2 first, ahead of the rows other programs still re-read. Returns the tile as stored (in
+    ``Y``'s dtype)."""
     if DIVIDE_BY_STD:
         y = tl.math.div_rn(s, scale[:, None])
     else:
@@ -156,8 +161,10 @@ def _scale_and_store(
                     eviction_policy="evict_first" if STREAMED else "").to(tl.float32)
         # The opaque 1.0 again: without it a rounded product and this add could become one half-precision FMA.
         y = y.to(Y.dtype.element_ty).to(tl.float32) * runtime_one + r
-    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask,
+    stored = y.to(Y.dtype.element_ty)
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], stored, mask=mask,
              eviction_policy="evict_first" if STREAMED else "")
+    return stored
 
 
 @jit_unspecialised_on_rows
@@ -202,21 +209,9 @@ def norm_fwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         s = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, stride_sum,
                                HAS_RESIDUAL)
-        if CENTER:
-            mean = _row_mean(tl.sum(s, axis=1), n_cols, DIVIDE_BY_STD)
-            s = tl.where(mask, s - mean[:, None], 0.0)
-            if not DIVIDE_BY_STD:
-                # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
-                correction = tl.sum(s, axis=1) / n_cols
-                mean += correction
-                s = tl.where(mask, s - correction[:, None], 0.0)
-        variance = _row_mean(tl.sum(s * s, axis=1), n_cols, DIVIDE_BY_STD)
-        rstd = tl.math.rsqrt(variance + eps)
-        _scale_and_store(s, _row_scale(variance, eps, rstd, DIVIDE_BY_STD), W, B, Y, RESIDUAL, rows, cols,
-                         col_mask, mask, stride_y, stride_res, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS,
-                         CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER)
-        if STORE_STATS:
-            _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
+        _normalise_tile(s, W, B, Y, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows, n_cols,
+                        stride_y, stride_res, eps, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT,
+                        CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, ADD_AFTER, STORE_STATS)
     else:
         for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -226,6 +221,78 @@ def norm_fwd_kernel(
                 stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER,
                 DIVIDE_BY_STD, BLOCK_M, BLOCK_N, ADD_AFTER, STORE_STATS, NUM_STAGES)
+
+
+@triton.jit
+def _normalise_tile(
+    s, W, B, Y, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows, n_cols, stride_y, stride_res, eps,
+    runtime_one, NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr,
+):
+    """The single-tile forward of rows whose norm input ``s`` (fp32, zero where masked) is loaded: the statistics,
+    ``_scale_and_store``'s output (stored, and returned as stored) and, with ``STORE_STATS``, ``rstd`` (and the
+    means when ``CENTER``) into ``STATS``."""
+    if CENTER:
+        mean = _row_mean(tl.sum(s, axis=1), n_cols, DIVIDE_BY_STD)
+        s = tl.where(mask, s - mean[:, None], 0.0)
+        if not DIVIDE_BY_STD:
+            # Corrected two-pass: the mean of the deviations from a first mean removes its rounding error.
+            correction = tl.sum(s, axis=1) / n_cols
+            mean += correction
+            s = tl.where(mask, s - correction[:, None], 0.0)
+    variance = _row_mean(tl.sum(s * s, axis=1), n_cols, DIVIDE_BY_STD)
+    rstd = tl.math.rsqrt(variance + eps)
+    stored = _scale_and_store(s, _row_scale(variance, eps, rstd, DIVIDE_BY_STD), W, B, Y, RESIDUAL, rows, cols,
+                              col_mask, mask, stride_y, stride_res, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS,
+                              CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER)
+    if STORE_STATS:
+        _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
+    return stored
+
+
+@jit_unspecialised_on_rows
+def norm_add_norm_fwd_kernel(
+    X, RESIDUAL, W, B, SUM_OUT, STATS, W2, B2, Y, STATS2,
+    n_rows, n_cols,
+    stride_x, stride_res,
+    eps, eps2,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
+    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
+    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STORE_STATS: tl.constexpr,
+):
+    """Two norms of one mode and the residual add between them (sandwich-norm layers: Gemma 2-4, GLM-4), for rows
+    of one tile, ``BLOCK_M`` at a time: ``SUM_OUT = residual + norm(x)`` exactly as ``norm_fwd_kernel``'s
+    ``ADD_AFTER`` computes it (the norm's output rounded to ``SUM_OUT``'s dtype, then the add, rounded), and
+    ``Y = norm2(SUM_OUT)`` (weight ``W2``, bias ``B2``, ``eps2``) of that rounded sum, as ``norm_fwd_kernel``
+    normalises an input of ``SUM_OUT``'s dtype. The sum stays in registers between the two: x and the residual are
+    read once, the sum and ``Y`` written once (8 bytes per bf16 element, where the two kernels move 14). With
+    ``STORE_STATS``, ``STATS`` gets the first norm's statistics and ``STATS2`` the second's, each as
+    ``norm_fwd_kernel`` lays them out (program 0 zeroes both tensors' counters)."""
+    eps = tl.cast(eps, tl.float32)  # as in norm_fwd_kernel: never fp64
+    eps2 = tl.cast(eps2, tl.float32)
+    runtime_one = eps * 0.0 + 1.0
+    if STORE_STATS:
+        if tl.program_id(0) == 0:
+            tl.store(STATS.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
+                     tl.zeros([SYNC_SLOTS], dtype=tl.int32))
+            tl.store(STATS2.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
+                     tl.zeros([SYNC_SLOTS], dtype=tl.int32))
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = _load_norm_input(X, RESIDUAL, SUM_OUT, rows, cols, mask, stride_x, stride_res, n_cols, False)
+    total = _normalise_tile(x, W, B, SUM_OUT, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows,
+                            n_cols, n_cols, stride_res, eps, runtime_one, X.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
+                            CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, True,
+                            STORE_STATS)
+    total = tl.where(mask, total.to(tl.float32), 0.0)
+    _normalise_tile(total, W2, B2, Y, RESIDUAL, STATS2, rows, cols, row_mask, col_mask, mask, n_rows, n_cols,
+                    n_cols, stride_res, eps2, runtime_one, SUM_OUT.dtype.element_ty, HAS_WEIGHT2, HAS_BIAS2,
+                    CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, False, STORE_STATS)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import wrap_triton
 
 from .fast_launch import CachedLauncher, all_aligned, int_class
-from .kernels import column_bwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
+from .kernels import column_bwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel, norm_fwd_kernel, row_dot_kernel
 from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode, sum_dtype
 from .qk_kernels import qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 from .tuning import PlanKey, device_arch, reads_tuned_plans, tuned, width_bucket
@@ -166,9 +166,10 @@ def is_traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
-_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel,
-                                                              column_bwd_kernel, qk_norm_rope_fwd_kernel,
-                                                              qk_norm_rope_bwd_kernel)}
+_LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (
+    norm_fwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel, column_bwd_kernel,
+    qk_norm_rope_fwd_kernel, qk_norm_rope_bwd_kernel,
+)}
 
 
 def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, plan: object = None,
@@ -360,6 +361,104 @@ def norm_forward(
     if type(x) is not torch.Tensor and is_traced(x):  # the type test first: it is 20 times cheaper
         return launch(x, residual, weight, bias, eps, residual_after, wrap_triton(norm_fwd_kernel))
     return launch(x, residual, weight, bias, eps, residual_after)
+
+
+class SandwichLaunch:
+    """``norm_add_norm_fwd_kernel``'s launch for one combination of argument dtypes (None: the tensor is absent),
+    width, mode, ``store_stats`` and GPU architecture whose forward plan is a single tile: the tiling, the output
+    dtypes and the kernel flags worked out once (``sandwich_launch``), and the launch itself (calling it). Its
+    identity keys its launches in the launcher's cache, as ``ForwardLaunch``'s does: it fixes every dtype, which
+    pointers are None, the width, the constexprs and ``num_warps``."""
+
+    __slots__ = ("mode", "total_dtype", "y_dtype", "n_cols", "tiling", "constexprs", "store_stats")
+
+    def __init__(self, residual_dtype: torch.dtype, weight2_dtype: torch.dtype | None,
+                 bias2_dtype: torch.dtype | None, constexprs: dict, n_cols: int, mode: str, store_stats: bool,
+                 tiling: TilingPlan) -> None:
+        m = get_mode(mode)
+        self.mode = m
+        self.total_dtype = residual_dtype  # the first norm's output dtype, which the caller checked is this
+        self.y_dtype = m.output_dtype_of(residual_dtype, weight2_dtype, bias2_dtype)
+        self.n_cols, self.tiling, self.store_stats = n_cols, tiling, store_stats
+        self.constexprs = dict(constexprs, **m.forward_kernel_flags, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
+                               STORE_STATS=store_stats)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None, eps: float, weight2: torch.Tensor | None, bias2: torch.Tensor | None,
+                 eps2: float, traced_kernel: object = None) -> tuple[torch.Tensor, ...]:
+        """``norm_add_norm_forward`` on arguments of this launch's combination, which the caller checked
+        (``checks.py``); ``traced_kernel`` as ``ForwardLaunch``'s."""
+        n_cols = self.n_cols
+        total = _new_rows(x, self.total_dtype)
+        y = _new_rows(total, self.y_dtype)
+        stats, stats2 = (tuple(torch.empty(self.mode.stats_shape(x.shape), dtype=torch.float32, device=x.device)
+                               for _ in range(2)) if self.store_stats else (None, None))
+        n_rows = y.numel() // n_cols if n_cols else 0
+        if n_rows == 0:
+            return y, total, stats, stats2
+        x2, stride_x = (x, n_cols) if x.is_contiguous() else _as_rows(x, n_cols)
+        r2, stride_r = (residual, n_cols) if residual.is_contiguous() else _as_rows(residual, n_cols)
+        # Unit stride for the parameters, as in ForwardLaunch (contiguous() of a contiguous tensor is itself).
+        weight, bias, weight2, bias2 = (None if t is None else t.contiguous() for t in (weight, bias, weight2, bias2))
+        args = (x2, r2, weight, bias, total, stats, weight2, bias2, y, stats2, n_rows, n_cols, stride_x, stride_r,
+                eps, eps2)
+        grid = cdiv(n_rows, self.tiling.block_m)
+        if traced_kernel is not None:
+            _launch(traced_kernel, grid, args, self.constexprs, self.tiling.num_warps)
+            return y, total, stats, stats2
+        # By plan as in ForwardLaunch: per call there remain the pointers' alignment, the eps values' type, the row
+        # count's class and the input row strides.
+        by_plan = type(eps) is float and type(eps2) is float and all_aligned(
+            x2, r2, weight, bias, total, stats, weight2, bias2, y, stats2)
+        _launch(norm_add_norm_fwd_kernel, grid, args, self.constexprs, self.tiling.num_warps,
+                self if by_plan else None, (int_class(n_rows), stride_x, stride_r))
+        return y, total, stats, stats2
+
+
+@reads_tuned_plans
+@functools.lru_cache(maxsize=None)
+def sandwich_launch(x_dtype: torch.dtype, residual_dtype: torch.dtype, weight_dtype: torch.dtype | None,
+                    bias_dtype: torch.dtype | None, weight2_dtype: torch.dtype | None, bias2_dtype: torch.dtype | None,
+                    n_cols: int, mode: str, store_stats: bool, arch: str | None) -> SandwichLaunch | None:
+    """The ``SandwichLaunch`` of one combination (a pure function of its arguments, cached as ``forward_launch``),
+    or None where the forward's plan for the width and the wider of the two activations is not a single tile."""
+    tiling = forward_plan(n_cols, max(x_dtype.itemsize, residual_dtype.itemsize), arch)
+    if not tiling.single_tile:
+        return None
+    present = dict(HAS_WEIGHT=weight_dtype is not None, HAS_BIAS=bias_dtype is not None,
+                   HAS_WEIGHT2=weight2_dtype is not None, HAS_BIAS2=bias2_dtype is not None)
+    return SandwichLaunch(residual_dtype, weight2_dtype, bias2_dtype, present, n_cols, mode, store_stats, tiling)
+
+
+def norm_add_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    weight2: torch.Tensor | None,
+    bias2: torch.Tensor | None,
+    eps2: float,
+    mode: str,
+    store_stats: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(y, total, stats, stats2)`` with ``total = residual + norm(x)`` (``norm_forward`` with ``residual_after``:
+    ``residual`` of ``x``'s shape and of the norm's output dtype) and ``y = norm2(total)`` (``weight2``, ``bias2``,
+    ``eps2``, the same mode), ``stats`` and ``stats2`` each norm's statistics (None unless ``store_stats``). One
+    launch of ``norm_add_norm_fwd_kernel`` where the forward's plan for the sum's width and dtype is a single tile
+    (``sandwich_launch``); wider rows take ``norm_forward`` twice, which computes the same values (each kernel
+    rounds where the other does)."""
+    n_cols = int(x.shape[-1])  # concrete, as in norm_forward
+    launch = sandwich_launch(x.dtype, residual.dtype, dtype_of(weight), dtype_of(bias), dtype_of(weight2),
+                             dtype_of(bias2), n_cols, mode, store_stats, device_arch(x.get_device()))
+    if launch is None:
+        total, _, stats = norm_forward(x, None, weight, bias, eps, mode, residual_after=residual,
+                                       store_stats=store_stats)
+        y, _, stats2 = norm_forward(total, None, weight2, bias2, eps2, mode, store_stats=store_stats)
+        return y, total, stats, stats2
+    if type(x) is not torch.Tensor and is_traced(x):
+        return launch(x, residual, weight, bias, eps, weight2, bias2, eps2, wrap_triton(norm_add_norm_fwd_kernel))
+    return launch(x, residual, weight, bias, eps, weight2, bias2, eps2)
 
 
 def program_slots(programs_per_sm: int, device_index: int) -> int:

@@ -54,6 +54,26 @@ def forward_reference(
     return y, norm_input, m.pack_stats(rstd, mean if m.centre else None)
 
 
+def norm_add_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    weight2: torch.Tensor | None,
+    bias2: torch.Tensor | None,
+    eps2: float,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, total, stats, stats2)`` of a sandwich norm's two norms and the add between them: ``total = residual +
+    norm(x)``, the norm's output rounded to its dtype and the add rounded as torch rounds it, then ``y =
+    norm2(total)`` of that rounded sum (``weight2``, ``bias2``, ``eps2``, the same mode); each norm's statistics."""
+    normed, _, stats = forward_reference(x, None, weight, bias, eps, mode)
+    total = residual + normed
+    y, _, stats2 = forward_reference(total, None, weight2, bias2, eps2, mode)
+    return y, total, stats, stats2
+
+
 def backward_reference(
     dy: torch.Tensor,
     dsum: torch.Tensor | None,

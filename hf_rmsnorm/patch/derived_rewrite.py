@@ -55,6 +55,8 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
             continue
         if isinstance(plan, BeforePlan):
             frees.append(_rewrite_before(plan))
+        elif isinstance(plan, AfterPlan) and plan.next_call is not None:
+            frees.append(_rewrite_chained_after(plan))
         elif isinstance(plan, AfterPlan):
             _rewrite_after(plan)
         elif isinstance(plan, ArgumentPlan):
@@ -94,6 +96,20 @@ def _rewrite_after(plan: AfterPlan) -> None:
     plan.statements[plan.index] = located(statement, plan.add)
     if plan.dropped is not None:
         plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
+
+
+def _rewrite_chained_after(plan: AfterPlan) -> tuple[list[ast.stmt], ast.stmt, str]:
+    """``s = r + F(e)`` -> ``normed, s = norm_add_norm(F, e, r, F2)``, ``y = F(e)`` -> ``pass`` and ``F2(s)`` in
+    the consumer -> ``normed``; returns what to free after the consumer (as ``_rewrite_before``)."""
+    add = plan.add
+    normed = f"{_NORMED}{add.lineno}_{add.col_offset}"
+    targets = ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(plan.total, ast.Store())], ast.Store())
+    value = _helper_call("norm_add_norm", plan.call.func, plan.call.args[0], plan.residual, plan.next_call.func)
+    plan.statements[plan.index] = located(ast.Assign([targets], value), add)
+    if plan.dropped is not None:
+        plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
+    _replace(plan.consumer, plan.next_call, located(ast.Name(normed, ast.Load()), plan.next_call))
+    return plan.statements, plan.consumer, normed
 
 
 def _rewrite_output(plan: OutputPlan) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from . import derived_inline, guard, handoff
+from . import derived_inline, guard, handoff, sandwich
 from .families import NormKind
 
 
@@ -45,6 +45,16 @@ def norm_then_add(norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
     if call is not None:
         return call(x, add_to=residual)
     return residual + norm(x)
+
+
+def norm_add_norm(norm: nn.Module, x: Tensor, residual: Tensor, next_norm: nn.Module) -> tuple[Tensor, Tensor]:
+    """``(next_norm(residual + norm(x)), residual + norm(x))``, a sandwich norm's add between two norms
+    (``derived_sites``' chained ``after`` site): from one kernel when it can be (``sandwich.chains``), else
+    ``norm_then_add`` and the next norm's call, the original's expressions."""
+    if _fused_call(norm, residual, x) is not None and sandwich.chains(norm, next_norm):
+        return sandwich.fused_pair(norm, x, residual, next_norm)
+    total = norm_then_add(norm, x, residual)
+    return next_norm(total), total
 
 
 def stream_sum(call: handoff.LayerCall | None, a: Tensor, b: Tensor) -> Tensor:

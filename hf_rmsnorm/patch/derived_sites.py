@@ -7,6 +7,8 @@ The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, call
     a norm's argument:  ... F(a + b) ...                  ->  ... norm_of_add(F, a, b) ...
     after a norm:   s = r + F(e)  (or F(e) + r)           ->  s = norm_then_add(F, e, r)
                     y = F(e); s = r + y  (or return r + y) ->  pass; s = norm_then_add(F, e, r)
+    two norms:      y = F(e); s = r + y; [r2 = s ...]; ... F2(s) ...
+                        ->  pass; normed, s = norm_add_norm(F, e, r, F2); [r2 = s]; ... normed ...
     layer output:   s = a + b; return s  (return s, ...)  ->  s = stream_sum(call, a, b); return s
                     return a + b                          ->  return stream_sum(call, a, b)
                     s = a + b; if T: B; return s          ->  s = stream_sum(call, a, b); if T: withdraw(call); B;
@@ -20,6 +22,11 @@ norm applied to the input before anything else reads it, in each branch of an ``
 ``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``; the helpers are
 ``derived_runtime``'s, and each checks at every call that its kernel computes what the expression does (a patched
 norm no hook watches, two tensors of one shape, type and device), else evaluates the original expression.
+
+The two-norm pattern is an ``after`` site (either form) whose sum the next statement, past aliases, reads with
+another norm ``F2`` as a ``before`` site's consumer does (Gemma 2-4's and GLM-4's sandwich: the post-attention
+norm, the add, the pre-feedforward norm of the sum). It is recorded as the ``after`` site (the report and the
+census count that add once, as before), chained to ``F2`` (``AfterPlan.next_call``).
 
 The argument pattern is the post-LN sublayer's ``self.LayerNorm(dropout(dense(h)) + input)`` (BERT's
 ``*SelfOutput`` and ``*Output``): the sum is never bound, so nothing moves; a dropout inside an operand is part of
@@ -72,6 +79,20 @@ compares (``derived_syntax.compares_reads``: no call, no operator but ``==``, ``
 values), so it changes neither the sum nor a norm (2). A branch may change the sum (rebind it, or clamp it in
 place), so each branch's first statement withdraws the normed sum (``handoff.withdraw``): the next norm then
 normalises what the layer returns, as the original does.
+
+**Two norms, one kernel.** The two-norm rewrite is the ``after`` rewrite followed by the ``before`` rewrite of
+its sum: ``s = norm_then_add(F, e, r)`` is exact by the ``after`` argument (3, 4, 6), and moving ``F2(s)`` from
+its consumer up to the statement that binds ``s`` is exact by the ``before`` argument, so the chain is checked
+against both sets of invariants: the ``after`` site's (its residual a plain local, the removed binding read
+nowhere), and the ``before`` rules for ``F2``'s call (not deferred or conditional: 1; only aliases in between and
+only reads before it in the consumer: 2; outside ``try`` and ``with`` blocks: 5). What is evaluated, in order:
+``F``, ``e``, ``r`` (as ``norm_then_add`` evaluates them), then ``F2`` (a lookup, which runs nothing), then the
+first norm, the add and the second norm; the original evaluates ``F2`` and calls it after the aliases, which
+run nothing. An exception from ``F2`` now leaves ``s`` unbound, which nothing reads (5). The helper computes the
+values of ``r + F(e)`` and ``F2`` of that rounded sum exactly (``ops.functional.norm_add_norm``: bitwise the two
+ops), and where one kernel cannot (``sandwich.chains``: a hook, another mode) evaluates ``norm_then_add(F, e, r)``
+and ``F2(s)`` themselves. A chain whose consumer another pattern rewrites is not made (each statement has one
+rewrite); an ``after`` site whose sum no norm reads so stays an ``after`` site.
 
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
@@ -182,7 +203,8 @@ class BeforePlan:
 @dataclass(eq=False)
 class AfterPlan:
     """``s = r + F(e)`` or ``return r + y`` (``statements[index]``; ``total`` None for a return), ``call`` =
-    ``F(e)`` and ``residual`` = ``r``; ``dropped`` the index of ``y = F(e)`` in the two-statement form."""
+    ``F(e)`` and ``residual`` = ``r``; ``dropped`` the index of ``y = F(e)`` in the two-statement form;
+    ``next_call`` the next norm's call ``F2(s)`` in ``consumer`` where the site is chained to it."""
 
     site: AddSite
     statements: list[ast.stmt]
@@ -192,6 +214,8 @@ class AfterPlan:
     call: ast.Call
     residual: ast.Name
     dropped: int | None = None
+    consumer: ast.stmt | None = None
+    next_call: ast.Call | None = None
 
 
 @dataclass(eq=False)
@@ -311,6 +335,7 @@ class _Analysis:
         self.up = parents(function)
         self.result = LayerAnalysis()
         self._block(function.body, None, ())
+        self._unchain_overlaps()
         self._input_norm()
 
     def _refuse(self, site: AddSite, reason: str) -> int:
@@ -349,10 +374,27 @@ class _Analysis:
         statements it spans, 0 for none."""
         return (
             self._before_norm(statements, i, enclosing)
-            or self._after_norm(statements, i)
+            or self._after_norm(statements, i, enclosing)
             or self._output(statements, i, after, enclosing)
             or self._argument_sums(statements[i])
         )
+
+    def _unchain_overlaps(self) -> None:
+        """Unchains the ``after`` sites whose consumer another plan rewrites (``y = F2(s); t = q + y`` is an
+        ``after`` site of its own): each statement is rewritten by one plan."""
+        rewritten = set()
+        for plan in self.result.plans:
+            if isinstance(plan, (BeforePlan, AfterPlan)):
+                rewritten.add(id(plan.statements[plan.index]))
+            if isinstance(plan, AfterPlan) and plan.dropped is not None:
+                rewritten.add(id(plan.statements[plan.dropped]))
+            if isinstance(plan, BeforePlan):
+                rewritten.add(id(plan.consumer))
+            if isinstance(plan, (ArgumentPlan, OutputPlan)):
+                rewritten.add(id(plan.statement))
+        for plan in self.result.plans:
+            if isinstance(plan, AfterPlan) and plan.consumer is not None and id(plan.consumer) in rewritten:
+                plan.consumer = plan.next_call = None
 
     def _argument_sums(self, statement: ast.stmt) -> int:
         """``F(a + b)`` in a simple statement, outside nested scopes (invariants 1 and 7)."""
@@ -372,30 +414,52 @@ class _Analysis:
         if found is None:
             return 0
         total, add = found
+        read = self._norm_reading(statements, i, total, enclosing)
+        if read is None:
+            return 0
+        consumer, call, problem = read
+        site = AddSite("before", self._norm(call), add.lineno)
+        if problem is not None:
+            return self._refuse(site, problem)
+        self.result.plans.append(BeforePlan(site, statements, i, add, total, consumer, call))
+        return 1
+
+    def _norm_reading(self, statements: list[ast.stmt], i: int, total: str,
+                      enclosing: tuple[str, ...]) -> tuple[ast.stmt, ast.Call, str | None] | None:
+        """``(consumer, call, problem)`` where the sum ``total`` bound by ``statements[i]`` is read next, after
+        aliases, by a norm call (``call``, in the statement ``consumer``); ``problem`` says which invariant forbids
+        moving that call up to ``statements[i]`` (None: none does). None where no norm reads the sum so."""
         j = past_aliases(statements, i + 1, {total})
         if j == len(statements) or not isinstance(statements[j], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return)):
-            return 0
+            return None
         consumer = statements[j]
         call = next((node for node in ast.walk(consumer) if self._norm(node)
                      and isinstance(node.args[0], ast.Name) and node.args[0].id == total), None)
         if call is None:
-            return 0
-        site = AddSite("before", self._norm(call), add.lineno)
+            return None
         if enclosing:  # invariant 5
-            return self._refuse(site, f"it sits in a {enclosing[-1]} block, which could go on after the norm "
-                                            "raised and read the sum")
+            return consumer, call, (f"it sits in a {enclosing[-1]} block, which could go on after the norm raised "
+                                    "and read the sum")
         where = deferred_by(call, consumer, self.up) or conditional_in(call, consumer, self.up)
         if where is not None:  # invariant 1
-            return self._refuse(site, f"the norm call sits in {where}: it runs elsewhere than the statement, "
-                                            "or not at all")
+            return consumer, call, f"the norm call sits in {where}: it runs elsewhere than the statement, or not at all"
         running = next((e for e in evaluated_before(consumer, call) if not reads_only(e)), None)
         if running is not None:  # invariant 2
-            return self._refuse(site, f"line {consumer.lineno} evaluates {ast.unparse(running)} before the "
-                                            "norm, which would then run first")
-        self.result.plans.append(BeforePlan(site, statements, i, add, total, consumer, call))
-        return 1
+            return consumer, call, (f"line {consumer.lineno} evaluates {ast.unparse(running)} before the norm, "
+                                    "which would then run first")
+        return consumer, call, None
 
-    def _after_norm(self, statements: list[ast.stmt], i: int) -> int:
+    def _chain(self, plan: AfterPlan, enclosing: tuple[str, ...]) -> None:
+        """Chains the next norm to an ``after`` site whose sum it reads, where the ``before`` rules allow moving
+        that norm's call up to the add (module docstring: "Two norms, one kernel"). Where they do not, the site
+        stays an ``after`` site alone: nothing is refused, the add is fused all the same."""
+        if plan.total is None:
+            return
+        read = self._norm_reading(plan.statements, plan.index, plan.total, enclosing)
+        if read is not None and read[2] is None:
+            plan.consumer, plan.next_call = read[0], read[1]
+
+    def _after_norm(self, statements: list[ast.stmt], i: int, enclosing: tuple[str, ...]) -> int:
         # One statement: s = r + F(e) or s = F(e) + r.
         found = summed(statements[i])
         if found is not None:
@@ -406,7 +470,9 @@ class _Analysis:
                     problem = self._residual_problem(residual, statements[i])
                     if problem is not None:
                         return self._refuse(site, problem)
-                    self.result.plans.append(AfterPlan(site, statements, i, add, total, normed, residual))
+                    plan = AfterPlan(site, statements, i, add, total, normed, residual)
+                    self._chain(plan, enclosing)
+                    self.result.plans.append(plan)
                     return 1
             return 0
         # Two statements: y = F(e); s = r + y (or return r + y).
@@ -425,8 +491,9 @@ class _Analysis:
                            or self._binding_problem(normed_name, total, statements[i], second))
                 if problem is not None:
                     return self._refuse(site, problem)
-                self.result.plans.append(AfterPlan(site, statements, i + 1, add, total, statements[i].value,
-                                                   residual, dropped=i))
+                plan = AfterPlan(site, statements, i + 1, add, total, statements[i].value, residual, dropped=i)
+                self._chain(plan, enclosing)
+                self.result.plans.append(plan)
                 return 2
         return 0
 

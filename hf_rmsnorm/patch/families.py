@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from .shapes import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, SEQUENTIAL, LayerShape
 
@@ -39,6 +39,23 @@ class NormKind:
     weight_attr: str | None = "weight"
     eps: float | None = None
     weight_offset: float = 0.0
+
+    def argument_reader(self) -> Callable[[nn.Module], tuple[Tensor | None, float, Tensor | None]]:
+        """A function of a norm ``module`` of this kind giving ``(weight, eps, bias)`` as the kernels take them, read
+        at every call (the user may replace or edit them between calls); this kind's names and constants are held by
+        the function rather than read from the kind each time (a decode call is bound by host time)."""
+        eps_attr, weight_attr, bias_attr = self.eps_attr, self.weight_attr, self.bias_attr
+        constant_eps, weight_offset = self.eps, self.weight_offset
+
+        def arguments(module: nn.Module) -> tuple[Tensor | None, float, Tensor | None]:
+            eps = constant_eps if eps_attr is None else getattr(module, eps_attr)
+            weight = None if weight_attr is None else getattr(module, weight_attr)
+            if weight_offset:
+                weight = weight + weight_offset
+            bias = None if bias_attr is None else getattr(module, bias_attr)
+            return weight, eps, bias
+
+        return arguments
 
 
 # nn.LayerNorm is everywhere, so it is not matched through a family: every one gets the exact fused add + LayerNorm

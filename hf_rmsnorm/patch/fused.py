@@ -44,6 +44,9 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
         }
         if isinstance(kind, NormKind):
             norm_forward = _norm_forward(kind)
+            # What ``sandwich.fused_pair`` reads of a patched norm to run its kernel without calling the norm.
+            namespace.update(_hf_rmsnorm_norm=bound_norm(kind.mode),
+                             _hf_rmsnorm_arguments=staticmethod(kind.argument_reader()))
             namespace["forward"] = _forward_like(norm_forward, base.forward, _norm_signature(base.forward))
             namespace["forward"].__doc__ = norm_forward.__doc__  # it says what the fused forward adds
         elif isinstance(kind, QKAttentionKind):
@@ -156,22 +159,16 @@ def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stack
 
 
 def _norm_forward(kind: NormKind):
-    """The fused forward of a norm of ``kind``, with what ``kind`` fixes (attribute names, constants, the mode's
-    ``BoundNorm``, whose launches are bound once) held by the function rather than read from ``kind`` at every call:
-    a decode call is bound by host time."""
+    """The fused forward of a norm of ``kind``, with what ``kind`` fixes (its argument reader, the mode's
+    ``BoundNorm``, whose launches are bound once) held by the function rather than looked up at every call: a decode
+    call is bound by host time."""
     bound: BoundNorm = bound_norm(kind.mode)
-    eps_attr, weight_attr, bias_attr = kind.eps_attr, kind.weight_attr, kind.bias_attr
-    constant_eps, weight_offset = kind.eps, kind.weight_offset
+    arguments = kind.argument_reader()
 
     def norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *, add_to: Tensor | None = None):
         """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +
         hidden_states)`` from one kernel; with ``add_to`` (post-norm layers) ``add_to + norm(hidden_states)``."""
-        # Read on every call: the user may replace or edit them between calls.
-        eps = constant_eps if eps_attr is None else getattr(self, eps_attr)
-        weight = None if weight_attr is None else getattr(self, weight_attr)
-        if weight_offset:
-            weight = weight + weight_offset
-        bias = None if bias_attr is None else getattr(self, bias_attr)
+        weight, eps, bias = arguments(self)
         if add_to is not None:
             return bound.norm_add(hidden_states, add_to, weight, eps, bias)
         if residual is not None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import Tensor, nn
 
-from . import guard, handoff
+from . import guard, handoff, sandwich
 from .handoff import LayerCall
 
 if TYPE_CHECKING:
@@ -54,14 +54,20 @@ def _sequential_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: Layer
 def _post_norm_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
                     **kwargs) -> Tensor:
     """The post-norm decoder layer of ``LayerKind`` (OLMo2; with norms before the branches too, Gemma2's
-    sandwich): each branch's norm and the residual add after it in one kernel."""
+    sandwich): each branch's norm and the residual add after it in one kernel; in a sandwich, the attention's
+    with the MLP's norm before it too (``sandwich.py``)."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
     if kind.input_norm is not None:
         hidden_states = _input_norm(self, kind, hidden_states, _hf_rmsnorm_call)
     hidden_states = _attend(self, kind, hidden_states, args, kwargs)
-    hidden_states = _norm_then_add(getattr(self, kind.post_attention_norm), hidden_states, residual)
-    mlp_input = hidden_states if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)(hidden_states)
+    post_attention_norm = getattr(self, kind.post_attention_norm)
+    pre_mlp_norm = None if kind.pre_mlp_norm is None else getattr(self, kind.pre_mlp_norm)
+    if pre_mlp_norm is not None and sandwich.chains(post_attention_norm, pre_mlp_norm):
+        mlp_input, hidden_states = sandwich.fused_pair(post_attention_norm, hidden_states, residual, pre_mlp_norm)
+    else:
+        hidden_states = _norm_then_add(post_attention_norm, hidden_states, residual)
+        mlp_input = hidden_states if pre_mlp_norm is None else pre_mlp_norm(hidden_states)
     return _norm_then_add(getattr(self, kind.post_mlp_norm), getattr(self, kind.mlp)(mlp_input), hidden_states)
 
 

@@ -21,6 +21,7 @@ from hf_rmsnorm.ops import functional, launch
 TRACE_SCRIPT = TESTS / "trace_compiled_ops.py"
 FWD, BWD = "norm_fwd_kernel", "norm_bwd_kernel"
 ROW_DOT, COLUMN_BWD = "row_dot_kernel", "column_bwd_kernel"  # the backward of rows wider than one tile
+SANDWICH = "norm_add_norm_fwd_kernel"
 
 # case: (each kernel launched, in order, with the arguments it writes; where each graph output comes from)
 KERNEL_CASES = {
@@ -33,6 +34,8 @@ KERNEL_CASES = {
     "rms_norm_add": ([(FWD, ["STATS", "Y"])], [f"{FWD}:Y"]),
     # The norm's output (bf16) is not the residual's dtype: the kernel normalises, torch adds.
     "rms_norm_add_fp32_residual": ([(FWD, ["STATS", "Y"])], ["aten.add.Tensor"]),
+    # A sandwich's norm, add and next norm: one launch writing the sum, the output and both norms' statistics.
+    "norm_add_norm": ([(SANDWICH, ["STATS", "STATS2", "SUM_OUT", "Y"])], [f"{SANDWICH}:Y", f"{SANDWICH}:SUM_OUT"]),
     # One launch, which also sums the programs' weight-gradient partial rows, counting on SYNC: fresh zeros in a
     # traced graph, so that the statistics, an input of the backward graph, are only read.
     "rms_norm_backward": ([(BWD, ["DW", "DW_PARTIAL", "DX", "SYNC"])], [f"{BWD}:DX", f"{BWD}:DW"]),
@@ -98,6 +101,8 @@ def test_torch_finds_the_kernels_of_each_triton_op(traced):
     code: a kernel it missed would let a cache compiled with an older kernel be reused."""
     assert traced["kernels_of_ops"] == {
         "norm_fwd_triton": [FWD], "add_norm_fwd_triton": [FWD], "norm_add_fwd_triton": [FWD],
+        # Rows wider than one tile: the two ops' launches.
+        "norm_add_norm_fwd_triton": [SANDWICH, FWD],
         "norm_bwd_triton": [BWD, ROW_DOT, COLUMN_BWD],
     }
 
@@ -193,10 +198,12 @@ def _opcheck_args(device: str):
         "norm_fwd": (x, weight, None, 1e-6, "gemma"),
         "add_norm_fwd": (x, residual, weight, None, 1e-6, "llama"),
         "norm_add_fwd": (x, residual.detach().to(torch.float32).requires_grad_(), weight, None, 1e-6, "llama"),
+        "norm_add_norm_fwd": (x, residual, weight, None, 1e-6, weight.detach().flip(0).requires_grad_(), None, 1e-5,
+                              "gemma"),
     }
 
 
-@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd"])
+@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_add_norm_fwd"])
 def test_triton_ops_schema_and_autograd_registration(name):
     """The Triton ops carry the custom ops' autograd formula (run eagerly here; their fake implementation is the
     real one traced, which needs kernels compiled for a GPU: the GPU test below checks it)."""
@@ -206,6 +213,6 @@ def test_triton_ops_schema_and_autograd_registration(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd"])
+@pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_add_norm_fwd"])
 def test_triton_ops_pass_torch_library_opcheck_on_a_gpu(name):
     torch.library.opcheck(getattr(torch.ops.hf_rmsnorm, f"{name}_triton"), _opcheck_args("cuda")[name])
