@@ -1,5 +1,6 @@
-"""Times fused add + RMSNorm (forward, backward, forward+backward) on a GPU against the alternatives a Hugging
-Face model could use, and reports each time as achieved bandwidth and as a fraction of the card's copy bandwidth.
+"""Times fused add + RMSNorm (forward, backward, forward+backward), and a sandwich layer's norm, add and next norm,
+on a GPU against the alternatives a Hugging Face model could use, and reports each time as achieved bandwidth and
+as a fraction of the card's copy bandwidth.
 
 Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` and returning ``(y, s)``:
 
@@ -15,6 +16,16 @@ Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` an
 * ``hf_layernorm``: this package's fused add + LayerNorm (``fused_add_layer_norm``, with a bias), and
   ``torch_layer_norm``: ``torch.nn.functional.layer_norm`` after a separate add: RMSNorm against LayerNorm, each
   fused and eager, on the same shapes.
+
+The sandwich implementations (``SANDWICH_IMPLS``) time another operator on the same inputs: a sandwich layer's
+``s = residual + post_norm(x); y = pre_norm(s)`` (Gemma 2-4's post-attention norm, the add and the pre-feedforward
+norm; GLM-4's), returning ``(y, s)``, both norms Gemma's (``1 + w``), and their figures are against that chain's
+own minimum traffic (``sandwich_min_traffic_bytes``) and, in ``x eager``, against ``hf_eager_sandwich``:
+
+* ``hf_sandwich``: this package's ``norm_add_norm``, one launch;
+* ``hf_sandwich_2launch``: ``rms_norm_add`` then ``rms_norm`` (the two launches a patched layer ran before it);
+* ``hf_eager_sandwich``: transformers' ``Gemma3RMSNorm`` modules, the post norm, the add, the pre norm (what an
+  unpatched Gemma 3 layer runs).
 
 Method: every (implementation, phase, shape) gets two figures, each the median of the repeats after a warm-up,
 timed with CUDA events with the inputs flushed from L2 before every run (small problems otherwise time L2, not
@@ -68,7 +79,10 @@ from unittest import mock
 import torch
 
 PHASES = ("fwd", "bwd", "fwd+bwd")
-IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm", "torch_layer_norm")
+# A sandwich layer's norm, add and next norm (norm_add_norm), and what it replaces; "x eager" is against the last.
+SANDWICH_IMPLS = ("hf_sandwich", "hf_sandwich_2launch", "hf_eager_sandwich")
+IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm",
+         "torch_layer_norm", *SANDWICH_IMPLS)
 DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
 DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -108,6 +122,19 @@ def min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight
     forward_tensors, backward_tensors = (4, 4) if residual else (2, 3)
     forward = forward_tensors * rows * hidden * act_bytes + hidden * weight_bytes
     backward = backward_tensors * rows * hidden * act_bytes + 2 * hidden * weight_bytes
+    return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[phase]
+
+
+def sandwich_min_traffic_bytes(phase: str, rows: int, hidden: int, act_bytes: int, weight_bytes: int) -> int:
+    """Bytes a sandwich layer's ``s = residual + norm(x); y = norm2(s)`` (``norm_add_norm``) must move at the least.
+
+    Forward: read ``x`` and ``residual``, write the sum and ``y``, read both weights. Backward: read ``dy``, the
+    gradient reaching the sum from its other readers and the two norms' saved inputs (``x`` and the sum), write
+    the gradients of ``x`` and of ``residual`` (which differ: the first norm's backward lies between them), read
+    both weights and write their gradients. The per-row fp32 statistics are left out, as in
+    ``min_traffic_bytes``."""
+    forward = 4 * rows * hidden * act_bytes + 2 * hidden * weight_bytes
+    backward = 6 * rows * hidden * act_bytes + 4 * hidden * weight_bytes
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}[phase]
 
 
@@ -260,13 +287,20 @@ class PlanOverride:
     answered: int = 0
 
 
+# The least bytes a phase of an implementation's operator moves: ``(phase, rows, hidden, act_bytes, weight_bytes)``.
+Traffic = Callable[[str, int, int, int, int], int]
+
+
 @dataclass
 class Impl:
-    """``forward(x, residual) -> (y, residual + x)``, the weight it differentiates, and what is in force while it
-    is timed (``wide_backward`` for ``hf_rmsnorm_wide``)."""
+    """``forward(x, residual) -> (y, sum)`` (the sum ``residual + x``, or a sandwich's ``residual + norm(x)``),
+    the weights it differentiates, the least traffic of its operator (``min_traffic_bytes`` or
+    ``sandwich_min_traffic_bytes``) and what is in force while it is timed (``wide_backward`` for
+    ``hf_rmsnorm_wide``)."""
 
     forward: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    weight: torch.Tensor
+    weights: tuple[torch.Tensor, ...]
+    traffic: Traffic = min_traffic_bytes
     context: Callable[[], contextlib.AbstractContextManager[PlanOverride | None]] = contextlib.nullcontext
 
 
@@ -316,6 +350,36 @@ def _eager_add_norm(norm: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     return forward
 
 
+def _sandwich_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> Impl:
+    """One of ``SANDWICH_IMPLS`` on the weights of two ``Gemma3RMSNorm`` modules (the post-attention and the
+    pre-feedforward norm), drawn around Gemma's zero init as trained weights are."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    post, pre = (Gemma3RMSNorm(hidden, eps=EPS).to(device=device, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        for norm in (post, pre):
+            norm.weight.normal_(std=0.1)
+    weights = (post.weight, pre.weight)
+    if name == "hf_sandwich":
+        from hf_rmsnorm.ops.functional import norm_add_norm
+
+        def forward(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return norm_add_norm(x, residual, post.weight, EPS, bias=None, weight2=pre.weight, eps2=EPS, bias2=None,
+                                 mode="gemma")
+    elif name == "hf_sandwich_2launch":
+        from hf_rmsnorm.ops import rms_norm, rms_norm_add
+
+        def forward(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s = rms_norm_add(x, residual, post.weight, EPS, mode="gemma")
+            return rms_norm(s, pre.weight, EPS, mode="gemma"), s
+    else:
+        def forward(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s = residual + post(x)
+            return pre(s), s
+
+    return Impl(forward, weights, sandwich_min_traffic_bytes)
+
+
 def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> Impl:
     """A fresh implementation for one shape (fresh so torch.compile specialises on it without hitting its
     recompilation limit). Weights are in the activations' dtype, as in a model loaded in that dtype."""
@@ -324,19 +388,19 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
         context = wide_backward if name == "hf_rmsnorm_wide" else contextlib.nullcontext
-        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), weight, context)
+        return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), (weight,), context=context)
     if name == "hf_eager":
         module = _hf_module(hidden, dtype, device)
-        return Impl(_eager_add_norm(module), module.weight)
+        return Impl(_eager_add_norm(module), (module.weight,))
     if name == "torch_rms_norm":
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        return Impl(_eager_add_norm(lambda s: torch.nn.functional.rms_norm(s, (hidden,), weight, EPS)), weight)
+        return Impl(_eager_add_norm(lambda s: torch.nn.functional.rms_norm(s, (hidden,), weight, EPS)), (weight,))
     if name == "torch_compile":
         from torch import _dynamo
 
         _dynamo.reset()
         module = _hf_module(hidden, dtype, device)
-        return Impl(torch.compile(_eager_add_norm(module), dynamic=False), module.weight)
+        return Impl(torch.compile(_eager_add_norm(module), dynamic=False), (module.weight,))
     if name in ("hf_layernorm", "torch_layer_norm"):
         from hf_rmsnorm.ops import fused_add_layer_norm
 
@@ -344,13 +408,15 @@ def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device)
         bias = torch.zeros(hidden, dtype=dtype, device=device)  # no gradient asked, as for the RMSNorms' inputs
         if name == "torch_layer_norm":
             return Impl(_eager_add_norm(lambda s: torch.nn.functional.layer_norm(s, (hidden,), weight, bias, EPS)),
-                        weight)
-        return Impl(lambda x, residual: fused_add_layer_norm(x, residual, weight, bias, EPS), weight)
+                        (weight,))
+        return Impl(lambda x, residual: fused_add_layer_norm(x, residual, weight, bias, EPS), (weight,))
     if name == "liger":
         from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
 
         module = LigerFusedAddRMSNorm(hidden, eps=EPS, casting_mode="llama").to(device=device, dtype=dtype)
-        return Impl(module, module.weight)
+        return Impl(module, (module.weight,))
+    if name in SANDWICH_IMPLS:
+        return _sandwich_impl(name, hidden, dtype, device)
     raise ValueError(f"unknown implementation {name!r}")
 
 
@@ -366,7 +432,7 @@ def phase_callable(impl: Impl, phase: str, inputs: dict[str, torch.Tensor]) -> C
         return run_forward
     x = x.detach().requires_grad_()
     residual = residual.detach().requires_grad_()
-    wrt = (x, residual, impl.weight)
+    wrt = (x, residual, *impl.weights)
     if phase == "bwd":
         outputs = impl.forward(x, residual)
         return lambda: torch.autograd.grad(outputs, wrt, (dy, dsum), retain_graph=True)
@@ -452,9 +518,10 @@ def time_phase(name: str, impl: Impl, phase: str, inputs: dict[str, torch.Tensor
     if isinstance(timed, str):
         return Result(name, phase, rows, hidden, settings.dtype_name, timed)
     call_seconds, seconds = timed
-    return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, call_seconds,
-                       inputs["x"].dtype.itemsize, impl.weight.dtype.itemsize, settings.copy_gbps,
-                       settings.cuda_graphs)
+    act_bytes, weight_bytes = inputs["x"].dtype.itemsize, impl.weights[0].dtype.itemsize
+    return make_result(name, phase, rows, hidden, settings.dtype_name, seconds, call_seconds, act_bytes, weight_bytes,
+                       settings.copy_gbps, settings.cuda_graphs,
+                       impl.traffic(phase, rows, hidden, act_bytes, weight_bytes))
 
 
 def bench_impl(name: str, phases: list[str], inputs: dict[str, torch.Tensor], settings: Settings) -> list[Result]:
@@ -629,19 +696,29 @@ def launch_path_line(hidden: int, settings: Settings) -> str:
 # ------------------------------------------------------------------------------------------------- report
 
 
-def speedups_over(results: list[Result], baseline: str) -> dict[tuple, float]:
-    """``baseline``'s time over each result's time, keyed by ``(impl, phase, rows, hidden)``."""
-    base = {(r.phase, r.rows, r.hidden): r.seconds for r in results if r.impl == baseline and r.seconds}
-    return {(r.impl, r.phase, r.rows, r.hidden): base[(r.phase, r.rows, r.hidden)] / r.seconds
-            for r in results if r.seconds and (r.phase, r.rows, r.hidden) in base}
+def eager_baseline(impl: str) -> str:
+    """The eager implementation of ``impl``'s operator: what an unpatched model runs for it."""
+    return "hf_eager_sandwich" if impl in SANDWICH_IMPLS else "hf_eager"
+
+
+def speedups_over_eager(results: list[Result]) -> dict[tuple, float]:
+    """The time of each result's ``eager_baseline`` on its phase and shape over its own time, keyed by ``(impl,
+    phase, rows, hidden)``."""
+    seconds = {(r.impl, r.phase, r.rows, r.hidden): r.seconds for r in results if r.seconds}
+    speedups = {}
+    for (impl, phase, rows, hidden), own in seconds.items():
+        base = seconds.get((eager_baseline(impl), phase, rows, hidden))
+        if base is not None:
+            speedups[(impl, phase, rows, hidden)] = base / own
+    return speedups
 
 
 def format_table(results: list[Result], header: bool = True) -> str:
     """A fixed-width table: the kernels' time, GB/s and % of copy (``graph`` says whether under CUDA graph
-    replay), then the eager call's (``call_*``, host included); ``x eager`` is the kernels' speedup over
-    ``hf_eager``'s on the same shape and phase."""
-    speedup = speedups_over(results, "hf_eager")
-    widths = (15, 8, 6, 7, 10, 8, 6, 10, 8, 6, 8, 6)
+    replay), then the eager call's (``call_*``, host included); ``x eager`` is the kernels' speedup over their
+    operator's eager implementation (``eager_baseline``) on the same shape and phase."""
+    speedup = speedups_over_eager(results)
+    widths = (19, 8, 6, 7, 10, 8, 6, 10, 8, 6, 8, 6)
     lines = []
     if header:
         names = ("impl", "phase", "rows", "hidden", "kernel_us", "GB/s", "%copy", "call_us", "call_GB/s", "%copy",
@@ -649,10 +726,10 @@ def format_table(results: list[Result], header: bool = True) -> str:
         lines.append(" ".join(n.rjust(w) if i > 1 else n.ljust(w) for i, (n, w) in enumerate(zip(names, widths))))
     for r in results:
         if r.status != "ok":
-            lines.append(f"{r.impl:<15} {r.phase:<8} {r.rows:>6} {r.hidden:>7}  {r.status}")
+            lines.append(f"{r.impl:<19} {r.phase:<8} {r.rows:>6} {r.hidden:>7}  {r.status}")
             continue
         x = speedup.get((r.impl, r.phase, r.rows, r.hidden))
-        lines.append(f"{r.impl:<15} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
+        lines.append(f"{r.impl:<19} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
                      f"{r.gbps:>8.0f} {100 * r.copy_fraction:>6.1f} {r.call_seconds * 1e6:>10.1f} "
                      f"{r.call_gbps:>8.0f} {100 * r.call_copy_fraction:>6.1f} {'' if x is None else f'{x:.2f}':>8} "
                      f"{'yes' if r.cuda_graph else 'no':>6}")

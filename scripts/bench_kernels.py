@@ -1,8 +1,11 @@
-"""Times fused add + RMSNorm (forward, backward, forward+backward) on a GPU against the alternatives a Hugging
-Face model could use, as achieved bandwidth and as a fraction of the card's copy bandwidth.
+"""Times fused add + RMSNorm (forward, backward, forward+backward), and a sandwich layer's norm, add and next norm,
+on a GPU against the alternatives a Hugging Face model could use, as achieved bandwidth and as a fraction of the
+card's copy bandwidth.
 
     python scripts/bench_kernels.py --json bench.json --plot bench.png
     python scripts/bench_kernels.py --rows 16384 --hidden 4096 --ops hf_rmsnorm hf_eager --phases fwd
+    python scripts/bench_kernels.py --rows 16384 --hidden 5376 --ops hf_sandwich hf_sandwich_2launch \
+        hf_eager_sandwich --phases fwd        # a sandwich layer's norm, add and next norm (norm_add_norm)
     python scripts/bench_kernels.py --rows 64 --hidden 256 --dry-run     # without a GPU: the harness on the CPU
 
 Exit status: 0 (also without a GPU, after saying so), 2 bad input (one line on stderr, no traceback).

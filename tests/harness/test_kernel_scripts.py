@@ -162,6 +162,40 @@ def test_min_traffic_backward_and_total():
     assert kernel_bench.min_traffic_bytes("fwd+bwd", 16, 896, 2, 4) == (act + 896 * 4) + (act + 2 * 896 * 4)
 
 
+def test_sandwich_min_traffic_counts_both_norms_tensors_once():
+    # Forward: x, residual, the sum and y, and two weights; backward: dy, the sum's other gradient, x, the sum, dx
+    # and dresidual, two weights read and two gradients written.
+    act = 16384 * 5376 * 2
+    assert kernel_bench.sandwich_min_traffic_bytes("fwd", 16384, 5376, 2, 2) == 4 * act + 2 * 5376 * 2
+    assert kernel_bench.sandwich_min_traffic_bytes("bwd", 16384, 5376, 2, 2) == 6 * act + 4 * 5376 * 2
+    assert kernel_bench.sandwich_min_traffic_bytes("fwd+bwd", 16, 896, 2, 4) == (
+        4 * 16 * 896 * 2 + 2 * 896 * 4) + (6 * 16 * 896 * 2 + 4 * 896 * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_sandwich_implementations_compute_one_function(dtype):
+    """``hf_sandwich`` (one launch) gives bitwise the values and gradients of ``hf_sandwich_2launch`` (the operator's
+    promise), and both those of Gemma 3's eager modules (in fp32, within fp32 rounding); the sum is
+    ``residual + post_norm(x)``, and the gradients are those of x, residual and both weights."""
+    gen = torch.Generator().manual_seed(0)
+    inputs = {k: torch.randn(3, 64, generator=gen).to(dtype) for k in ("x", "residual", "dy", "dsum")}
+    runs = {}
+    for name in kernel_bench.SANDWICH_IMPLS:
+        torch.manual_seed(1)  # the same trained-like weights for each
+        impl = kernel_bench.build_impl(name, 64, dtype, torch.device("cpu"))
+        assert impl.traffic is kernel_bench.sandwich_min_traffic_bytes and len(impl.weights) == 2
+        assert impl.weights[0].abs().max() > 0  # not Gemma's zero init: both norms' weights matter
+        runs[name] = [kernel_bench.phase_callable(impl, phase, inputs)() for phase in ("fwd", "bwd")]
+    (y, s), grads = runs["hf_sandwich"]
+    assert [tuple(g.shape) for g in grads] == [(3, 64), (3, 64), (64,), (64,)]
+    assert not torch.equal(grads[0], grads[1])  # the post norm's backward lies between dx and dresidual
+    for a, b in zip((y, s, *grads), (*runs["hf_sandwich_2launch"][0], *runs["hf_sandwich_2launch"][1])):
+        assert torch.equal(a, b)
+    if dtype == torch.float32:
+        for a, b in zip((y, s, *grads), (*runs["hf_eager_sandwich"][0], *runs["hf_eager_sandwich"][1])):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_make_result_bandwidth_and_copy_fraction():
     r = kernel_bench.make_result("hf_rmsnorm", "fwd", 1024, 1024, "bf16", seconds=1e-3, call_seconds=4e-3,
                                  act_bytes=2, weight_bytes=2, copy_gbps=10.0, cuda_graph=True)
@@ -208,6 +242,15 @@ def test_format_table_reports_both_figures_speedup_over_eager_and_failures():
     assert lines[2].split()[4:] == ["10.0", f"{r.gbps:.0f}", f"{100 * r.copy_fraction:.1f}", "30.0",
                                     f"{r.call_gbps:.0f}", f"{100 * r.call_copy_fraction:.1f}", "4.00", "yes"]
     assert lines[3].endswith("kernels (CUDA graph): error: RuntimeError: x")
+
+
+
+def test_format_table_compares_the_sandwich_with_its_own_eager_chain():
+    common = dict(rows=16, hidden=896, dtype="bf16", act_bytes=2, weight_bytes=2, copy_gbps=1000.0, cuda_graph=True)
+    results = [kernel_bench.make_result(impl, "fwd", seconds=seconds, call_seconds=seconds, **common)
+               for impl, seconds in (("hf_eager", 1e-5), ("hf_eager_sandwich", 6e-5), ("hf_sandwich", 2e-5))]
+    x_eager = [line.split()[-2] for line in kernel_bench.format_table(results).splitlines()[1:]]
+    assert x_eager == ["1.00", "1.00", "3.00"]
 
 
 def test_time_phase_times_the_call_and_the_captured_kernels_apart():
