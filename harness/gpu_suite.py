@@ -208,8 +208,8 @@ SECTIONS: tuple[Section, ...] = (
     _generate("generate-1b-compiled", "second", "generate() compiled (static cache, CUDA graphs), "
               "llama-3.2-1b-shape, bf16, batch 1, 128-token prompt, 256 new tokens", 240, "llama-3.2-1b-shape",
               compiled=True),
-    # third: FSDP2, LayerNorm (kernels, a LayerNorm decoder, a BERT-base-shaped encoder), prefill, and the q/k
-    # norms fused with the RoPE.
+    # third: FSDP2, LayerNorm (kernels, a LayerNorm decoder, a BERT-base-shaped encoder), prefill, the q/k norms
+    # fused with the RoPE and the sandwich norms' one launch.
     _train("train-1b-fsdp-patched", "third", 100, "--fsdp"),
     _train("train-1b-fsdp-unpatched", "third", 100, "--fsdp", "--no-patch"),
     # RMSNorm against LayerNorm: the same shapes through each fused kernel and each eager op, and a LayerNorm
@@ -243,6 +243,12 @@ SECTIONS: tuple[Section, ...] = (
             {"tokens": size(("1", "16", "4096", "16384"), "4"), "warmup": size("5", "1"), "repeats": size("20", "2"),
              "dry_run": SCRIPT_DRY_RUN},
             ("kernels-qk.json",)),
+    # A sandwich layer's norm, add and next norm in one launch (norm_add_norm) against the two launches before it and
+    # Gemma 3's eager modules, at Gemma 3 4B's and 27B's widths: decode (launch-bound) and 16384 rows (bandwidth).
+    # Forward only: the operator's backward is the two ops' backward kernels, which kernels-bf16 already times.
+    _bench("kernels-sandwich", "third", "sandwich norm + add + norm bandwidth (norm_add_norm against rms_norm_add "
+           "then rms_norm and Gemma 3's eager modules), Gemma mode, bf16, 1 and 16384 rows, hidden 2560 and 5376, "
+           "forward", 45, "bf16", "1 16384", "2560 5376", "hf_sandwich hf_sandwich_2launch hf_eager_sandwich", "fwd"),
     # Qwen3-8B's decode with its q/k norms and RoPE in one launch a layer (the norm-free oracle: norms and that RoPE
     # return their inputs); 128 new tokens keep the plan within a lease.
     _generate("generate-qwen3-8b", "third", "generate(), qwen3-8b-shape (q/k norms fused with the RoPE), bf16, "

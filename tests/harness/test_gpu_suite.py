@@ -60,6 +60,10 @@ def test_dry_run_runs_every_plan_and_writes_the_files(tmp_path):
     # The A/B's wide side ran its backward through the wide kernels (an override never consulted is an error row).
     ab = next(s for s in sections if s["name"] == "kernels-bwd-ab")["data"]["kernels-bwd-ab"]["results"]
     assert {(r["impl"], r["status"]) for r in ab} == {("hf_rmsnorm", "ok"), ("hf_rmsnorm_wide", "ok")}
+    # The sandwich section timed its three implementations (hf_sandwich's norm_add_norm in the interpreter).
+    sandwich = next(s for s in sections if s["name"] == "kernels-sandwich")["data"]["kernels-sandwich"]["results"]
+    assert {(r["impl"], r["status"]) for r in sandwich} == {
+        (impl, "ok") for impl in ("hf_sandwich", "hf_sandwich_2launch", "hf_eager_sandwich")}
     # The embedding workload's section ran verify.py's encoder path, whose report the summary read.
     embed = next(s for s in sections if s["name"] == "embed-bert-base")["data"]["embed-bert-base"]
     assert embed["kind"] == "encoder" and embed["passed"] is True
@@ -281,6 +285,8 @@ def test_summary_reports_the_scripts_figures():
         Outcome("generate-qwen3-8b", "g", "ok", data={"generate-qwen3-8b": replace(
             generate, model="qwen3-8b-shape", patch=replace(generate.patch, norms=145, fused_adds=72, fused_qk=36,
                                                             qk_apart=0)).to_dict()}),
+        Outcome("kernels-sandwich", "s", "ok", data={"kernels-sandwich": _bench(
+            {"hf_sandwich": 40e-6, "hf_sandwich_2launch": 50e-6, "hf_eager_sandwich": 160e-6})}),
         Outcome("embed-bert-base", "e", "ok", data={"embed-bert-base": sample_encoder_report(
             model="bert-base-shape", parameters=109_482_240, patch=replace(generate.patch, norms=25,
                                                                            fused_adds=25)).to_dict()}),
@@ -293,6 +299,9 @@ def test_summary_reports_the_scripts_figures():
     assert "| fwd | 4096 | 4096 | 35.0 | 3835 | 95.9% | 70.0 | 1917 | 47.9% | 2.00x |" in text
     # The A/B: the single tile's speedup over the wide kernels.
     assert "| vs hf_rmsnorm_wide |" in text and "| 60.0 | 2237 | 55.9% | 1.50x |" in text
+    # The sandwich's one launch against the two launches before it and Gemma's eager modules.
+    assert "| vs hf_sandwich_2launch | vs hf_eager_sandwich |" in text
+    assert "| 80.0 | 1678 | 41.9% | 1.25x | 4.00x |" in text
     assert "rows   1: hf_rmsnorm fwd 9.1 us" in text
     assert "by launch path: cached launcher 20.00" in text
     # Per token: 12.5 ms unpatched, 10 ms patched, 8.33 ms norm-free: 60% of the norm-free gain.
