@@ -22,13 +22,14 @@ HIDDEN = 64
 DEVICE = "cpu" if backend.kernels_interpreted() else "cuda"
 
 
-def _jit_forward_kernel():
-    """The forward kernel as a GPU process defines it: under the interpreter it is an InterpretedFunction."""
+def _jit_forward_kernel(kernel=norm_fwd_kernel):
+    """A kernel (the forward's by default) as a GPU process defines it: under the interpreter it is an
+    InterpretedFunction."""
     from triton.runtime.jit import JITFunction
 
-    if isinstance(norm_fwd_kernel, JITFunction):
-        return norm_fwd_kernel
-    return JITFunction(norm_fwd_kernel.fn, do_not_specialize=row_count_args(norm_fwd_kernel.fn))
+    if isinstance(kernel, JITFunction):
+        return kernel
+    return JITFunction(kernel.fn, do_not_specialize=row_count_args(kernel.fn))
 
 
 def _triton_binder():
@@ -44,13 +45,13 @@ def _triton_binder():
 
 
 class StandInKernel:
-    """``norm_fwd_kernel`` as the cached launcher meets it on a GPU: its parameters, and ``kernel[grid](...)``
-    compiling (counted in ``compilations``) to a binary whose launch (counted in ``cached_launches``) runs nothing.
-    Once ``binder`` is set to Triton's, each binary checks every launch of it against the specialisation it was
-    compiled for."""
+    """A kernel (``norm_fwd_kernel`` by default) as the cached launcher meets it on a GPU: its parameters, and
+    ``kernel[grid](...)`` compiling (counted in ``compilations``) to a binary whose launch (counted in
+    ``cached_launches``) runs nothing. Once ``binder`` is set to Triton's, each binary checks every launch of it
+    against the specialisation it was compiled for."""
 
-    def __init__(self) -> None:
-        self.params = _jit_forward_kernel().params
+    def __init__(self, kernel=norm_fwd_kernel) -> None:
+        self.params = _jit_forward_kernel(kernel).params
         self.binder = None
         self.compilations = 0
         self.cached_launches = 0
@@ -85,18 +86,19 @@ class _NoOpBinary:
             assert self.kernel.specialisation(*launch_args[9:]) == self.specialisation
 
 
-def stand_in_forward_kernel(monkeypatch) -> StandInKernel:
-    """Routes the forward kernel's launches through a fresh ``CachedLauncher`` over a ``StandInKernel``, down to
-    the binary's launch, as on a GPU with Triton >= 3.5 and no launch hook; returns the stand-in."""
-    kernel = StandInKernel()
-    launcher = CachedLauncher(kernel)
+def stand_in_forward_kernel(monkeypatch, kernel=norm_fwd_kernel) -> StandInKernel:
+    """Routes a forward kernel's launches (``norm_fwd_kernel``'s by default; ``norm_add_norm_fwd_kernel``'s for the
+    sandwich) through a fresh ``CachedLauncher`` over a ``StandInKernel``, down to the binary's launch, as on a GPU
+    with Triton >= 3.5 and no launch hook; returns the stand-in."""
+    stand_in = StandInKernel(kernel)
+    launcher = CachedLauncher(stand_in)
     launcher.cacheable = True  # as for a compiled kernel: the stand-in is no JITFunction
-    monkeypatch.setitem(launch._LAUNCHERS, norm_fwd_kernel, launcher)
+    monkeypatch.setitem(launch._LAUNCHERS, kernel, launcher)
     # What the launch reads from Triton on each call: a CPU host has no driver, Triton before 3.5 no knobs.
     monkeypatch.setattr(fast_launch, "_KNOBS", SimpleNamespace(
         runtime=SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)))
     monkeypatch.setattr(fast_launch, "_stream_getter", lambda: lambda device: 0)
-    return kernel
+    return stand_in
 
 
 def test_equal_keys_mean_equal_triton_specialisations():
