@@ -154,6 +154,7 @@ class DerivedLayerKind:
     # What the planner asks of every layer kind (as ``families.LayerKind``).
     handoff_label = "layer output"
     handoff_dropout = None
+    last_add_inside = None
     block = "layer whose one add next to a norm is its output"
 
     @property

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from . import guard
+from . import guard, sandwich
 
 # The private keyword the derived loop calls a fused layer with: ``(next norm or None, receives)``.
 KWARG = "_hf_rmsnorm_handoff"
@@ -139,14 +139,30 @@ def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Te
     (``guard.unwatched_call``: the loop asked before the layer ran, whose code may have registered one since); the
     normed sum goes into ``call.normed_output``."""
     norm = None if call is None else call.next_norm
-    if norm is None or not (
-        isinstance(branch, Tensor) and isinstance(residual, Tensor) and type(branch) is type(residual)
-        and branch.shape == residual.shape
-    ) or (fused_norm := guard.unwatched_call(norm)) is None:
+    if norm is None or not _one_add(branch, residual) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
     normed, total = fused_norm(branch, residual=residual)
     call.normed_output = normed
     return total
+
+
+def add_normed_residual(call: LayerCall | None, norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor | None:
+    """``residual + norm(x)``, a sandwich layer's output (its post-feedforward norm's add), from one kernel with
+    the next norm (``sandwich.fused_pair``) when the loop asked for it, the kernel computes that add (as
+    ``add_residual``) and ``sandwich.chains`` accepts the two norms now (no hook watches either: the layer's code
+    may have registered one since the loop asked); the normed sum goes into ``call.normed_output``. None where
+    it does not: the caller computes the add as without a handoff, and the next norm runs on the sum itself."""
+    next_norm = None if call is None else call.next_norm
+    if next_norm is None or not _one_add(x, residual) or not sandwich.chains(norm, next_norm):
+        return None
+    normed, total = sandwich.fused_pair(norm, x, residual, next_norm)
+    call.normed_output = normed
+    return total
+
+
+def _one_add(a: object, b: object) -> bool:
+    # What a norm kernel's add computes as ``a + b`` does: two tensors of one shape and class, no broadcast.
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape
 
 
 def withdraw(call: LayerCall | None) -> None:
