@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from derived_toys import HIDDEN, ToyDecoderLayer, sites, states, toy_model
 from family_cases import CASES
-from patch_models import Parity, input_ids, tiny_model
+from patch_models import Parity, graph_calls, input_ids, recording_aot_eager, tiny_model
 from hf_rmsnorm import patch_model
 from hf_rmsnorm.patch import handoff, sandwich
 from hf_rmsnorm.patch.derived_sites import AddSite
@@ -271,3 +271,31 @@ def test_gradient_checkpointing_keeps_the_chained_gradients(monkeypatch):
     # The forward, then the recomputation: each layer's sandwich and its output add handed on.
     assert len(calls) == 2 * 2 * model.config.num_hidden_layers
     assert torch.equal(loss, loss2) and all(torch.equal(grads[name], grads2[name]) for name in grads)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "checkpointed", "checkpointed reentrant"])
+def test_compiled_and_checkpointed_training_hand_on_with_the_same_gradients(mode, monkeypatch):
+    """torch.compile(fullgraph=True) and either checkpointing kind hand each Gemma 3 layer's output add on as eager
+    training does (twice the chained launches of the patch without the handoff: one inside each layer, one for its
+    output), and the loss and every gradient equal that patch's bit for bit (bf16)."""
+    model = _model("gemma3_text", torch.bfloat16).train()
+    patch_model(model)
+    ids = input_ids()
+    if mode.startswith("checkpointed"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode.endswith("reentrant")})
+    results = []
+    for handing in (True, False):
+        with monkeypatch.context() as patch:
+            if not handing:
+                _not_handed(patch)
+            calls, graphs = _counting_pairs(patch), []
+            torch._dynamo.reset()
+            runner = torch.compile(model, backend=recording_aot_eager(graphs), fullgraph=True) if mode == "compiled" else model
+            loss, grads = _loss_and_grads(runner, ids)
+        chained = graph_calls(graphs, "hf_rmsnorm.norm_add_norm_fwd")
+        results.append((chained if mode == "compiled" else len(calls), loss, grads))
+    (chained, loss, grads), (unhanded, loss2, grads2) = results
+    assert unhanded > 0 and chained == 2 * unhanded
+    assert torch.equal(loss, loss2) and grads.keys() == grads2.keys()
+    assert all(torch.equal(grads[name], grads2[name]) for name in grads)
+
