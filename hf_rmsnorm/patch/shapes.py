@@ -242,8 +242,8 @@ class PostNorm(LayerShape):
 
     Both adds go into the kernels of the norms before them. A sandwich layer's next layer begins with a norm of
     the stream: its last add, ``residual + post_mlp_norm(h)``, goes into one kernel with that norm (or the final
-    norm) when the derived stack loop asks (``sandwich.fused_pair``). OLMo2's next layer reads the stream
-    unnormed, so it hands nothing on."""
+    norm) when the derived stack loop asks (``sandwich.fused_pair``). OLMo2's layers hand nothing on: the next
+    layer reads the stream unnormed (its last layer's add, read by the final norm, is not chained either)."""
 
     name = "post_norm"
     block = "post-norm block"

@@ -13,7 +13,7 @@ from derived_toys import HIDDEN, ToyDecoderLayer, sites, states, toy_model
 from family_cases import CASES
 from patch_models import Parity, graph_calls, input_ids, recording_aot_eager, tiny_model
 from hf_rmsnorm import patch_model
-from hf_rmsnorm.patch import handoff, sandwich
+from hf_rmsnorm.patch import fused, handoff, sandwich
 from hf_rmsnorm.patch.derived_sites import AddSite
 
 # The sandwich families: their PostNorm entries (Gemma 2, Gemma 3, GLM-4) and a derived forward (Gemma 4).
@@ -72,14 +72,16 @@ POST_MLP_NORMS = {"gemma2": "post_feedforward_layernorm", "gemma3_text": "post_f
 @pytest.mark.parametrize("family", FAMILIES)
 def test_one_launch_per_layer_bitwise_as_two_in_bf16(family, monkeypatch):
     """bf16 logits of the chained patch equal the two-launch patch's bit for bit (and the fp32 model's are within
-    1e-5 of eager's, and bf16 no less accurate against fp64: ``Parity``); each layer makes one chained call inside
-    it, and a registered sandwich layer (not Gemma 4: its output is scaled after the add) one more for its output
-    add with the next norm, bitwise as the patch without that handoff."""
+    1e-5 of eager's, and bf16 no less accurate against fp64: ``Parity``; unpatching restores every class and drops
+    the stack's links); each layer makes one chained call inside it, and a registered sandwich layer (not Gemma 4:
+    its output is scaled after the add, ``derived_sites``) one more for its output add with the next norm, bitwise
+    as the patch without that handoff."""
     ids = input_ids()
     model = _model(family)
     parity = Parity(model, lambda m: _logits(m, ids))
     patch_model(model)
     parity.check_patched()  # fp32 and bf16 parity, then unpatches the fp32 model
+    assert not any(fused.original_class(m) for m in model.modules()) and handoff.LINKS_ATTR not in vars(model.model)
     bf16 = parity.bf16  # patched by check_patched
     calls = _counting_pairs(monkeypatch)
     chained = _logits(bf16, ids)
@@ -290,7 +292,9 @@ def test_compiled_and_checkpointed_training_hand_on_with_the_same_gradients(mode
                 _not_handed(patch)
             calls, graphs = _counting_pairs(patch), []
             torch._dynamo.reset()
-            runner = torch.compile(model, backend=recording_aot_eager(graphs), fullgraph=True) if mode == "compiled" else model
+            runner = model
+            if mode == "compiled":
+                runner = torch.compile(model, backend=recording_aot_eager(graphs), fullgraph=True)
             loss, grads = _loss_and_grads(runner, ids)
         chained = graph_calls(graphs, "hf_rmsnorm.norm_add_norm_fwd")
         results.append((chained if mode == "compiled" else len(calls), loss, grads))
