@@ -259,7 +259,8 @@ class PostNorm(LayerShape):
             raise ValueError("a post-norm LayerKind has a post_mlp_norm and no dropouts or scale")
 
     def inner_adds(self, kind: LayerKind) -> tuple[tuple[str, str, str | None], ...]:
-        return (("attention residual", kind.post_attention_norm, None), ("mlp residual", kind.post_mlp_norm, None))
+        # The last is the add a handoff chains (``last_add_inside``): the report's line for it is extended then.
+        return (("attention residual", kind.post_attention_norm, None), (self.handoff_label, kind.post_mlp_norm, None))
 
     body = staticmethod(_post_norm_body)
 

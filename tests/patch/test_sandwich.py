@@ -79,7 +79,12 @@ def test_one_launch_per_layer_bitwise_as_two_in_bf16(family, monkeypatch):
     ids = input_ids()
     model = _model(family)
     parity = Parity(model, lambda m: _logits(m, ids))
-    patch_model(model)
+    report = patch_model(model)
+    if family in POST_MLP_NORMS:  # one line for the output add, naming both norms it goes into
+        post = POST_MLP_NORMS[family]
+        assert [line for line in report.fused_adds if "mlp residual" in line] == [
+            f"model.layers.0: mlp residual -> model.layers.0.{post}, then model.layers.1.input_layernorm",
+            f"model.layers.1: mlp residual -> model.layers.1.{post}, then model.norm"]
     parity.check_patched()  # fp32 and bf16 parity, then unpatches the fp32 model
     assert not any(fused.original_class(m) for m in model.modules()) and handoff.LINKS_ATTR not in vars(model.model)
     bf16 = parity.bf16  # patched by check_patched
