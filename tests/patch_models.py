@@ -179,6 +179,24 @@ def training_step(model, ids: torch.Tensor, runner=None) -> tuple[int, torch.Ten
     return count, outputs[0].logits.detach(), grads
 
 
+def recording_aot_eager(graphs: list):
+    """torch.compile's ``aot_eager`` backend, keeping each graph Dynamo captured in ``graphs``."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    return backend
+
+
+def graph_calls(graphs: list, *operators: str) -> int:
+    """How many nodes of the graphs ``recording_aot_eager`` kept (and of their submodules: checkpoint regions)
+    call an operator whose name starts with one of ``operators`` (``"hf_rmsnorm.norm_add_fwd"``)."""
+    return sum(str(node.target).startswith(operators) for graph in graphs for module in graph.modules()
+               if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
+
+
 def family_model(family: str):
     """The tiny fp32 model of a case of ``family_cases.CASES`` (its config, or coverage's for a derived type), in
     training mode; skips the test when this transformers lacks the type."""

@@ -94,6 +94,14 @@ ops), and where one kernel cannot (``sandwich.chains``: a hook, another mode) ev
 and ``F2(s)`` themselves. A chain whose consumer another pattern rewrites is not made (each statement has one
 rewrite); an ``after`` site whose sum no norm reads so stays an ``after`` site.
 
+No derived forward hands an ``after`` site's sum to the next layer's input norm (as the registered sandwich layers'
+bodies do: ``handoff.add_normed_residual``). The layer output pattern is a plain add the ``return`` returns; a
+sandwich layer whose last add is ``r + F(e)`` and returned as it is would need its own output rewrite (the ``after``
+helper handing the sum on, with the output pattern's ``withdraw``). Gemma 4's, the one derived sandwich, returns
+no such sum: after its post-feedforward norm's add come its per-layer-input branch (another ``after`` site) and
+``hidden_states *= self.layer_scalar``, so what the next layer's input norm reads is a product no norm kernel
+computes, and its adds stay inside the layer.
+
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
 """
@@ -154,6 +162,7 @@ class DerivedLayerKind:
     # What the planner asks of every layer kind (as ``families.LayerKind``).
     handoff_label = "layer output"
     handoff_dropout = None
+    last_add_inside = None
     block = "layer whose one add next to a norm is its output"
 
     @property

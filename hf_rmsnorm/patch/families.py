@@ -161,7 +161,13 @@ class LayerKind:
     @property
     def hands_off_last_add(self) -> bool:
         """Whether the layer's last residual add may go into the next norm's kernel."""
-        return self.shape.hands_off_last_add
+        return self.shape.hands_off_last_add(self)
+
+    @property
+    def last_add_inside(self) -> str | None:
+        """The norm whose kernel computes the layer's last residual add inside the layer (a post-norm layer's), which
+        a handoff chains with the next norm; None where the last add is the plain output add."""
+        return self.shape.last_add_inside(self)
 
     @property
     def returns_tuple(self) -> bool:

@@ -7,9 +7,10 @@ next norm (``NextNorm``: layer ``i + 1``'s input norm, or the final norm after t
 watches them (``foreign_code``), the layer is called with a private keyword, ``KWARG = (next norm, receives)``:
 
 * asked to hand on, its last residual add runs as ``next_norm(branch, residual=residual)``, one kernel writing the
-  sum and the normed sum; the layer returns its usual output with the normed sum appended
-  (``(sum, normed)``, or ``(*outputs, normed)`` for a layer returning a tuple), and the loop passes the usual
-  output on as the original loop does;
+  sum and the normed sum (a sandwich layer's, ``residual + post_mlp_norm(h)``, as ``sandwich.fused_pair``: the
+  post-feedforward norm, the add and the next norm in one kernel, ``add_normed_residual``); the layer returns its
+  usual output with the normed sum appended (``(sum, normed)``, or ``(*outputs, normed)`` for a layer returning a
+  tuple), and the loop passes the usual output on as the original loop does;
 * receiving, the normed sum is the layer's last positional argument, and the layer's input norm returns it
   instead of normalising the same sum again. After the loop the final norm's call does the same with the last
   layer's.
@@ -21,7 +22,8 @@ else carries a value from one call to another: what a layer computes depends on 
 Why this computes the unpatched function, and its gradients, exactly:
 
 * The sum is the add the layer's code does, computed by the kernel that also normalises it; the kernel's norm is
-  the next norm's own forward (same module, same casting order), applied to that very sum. The loop passes the
+  the next norm's own forward (same module, same casting order), applied to that very sum (``fused_pair`` runs
+  what both norms' fused forwards run, bitwise the two ops: ``sandwich.chains``). The loop passes the
   sum on as the layer's output, so ``output_hidden_states`` and the hooks that may watch (transformers' output
   recorders, which record ``output[0]`` of a tuple, the first item kept at its place) see the unpatched hidden
   states. A normed sum is taken only by the module it was made for (the loop checks the consumer's identity) and
@@ -33,8 +35,9 @@ Why this computes the unpatched function, and its gradients, exactly:
   layer that only hands on (``guard.py``, the guard of every fused site); accelerate's hooks (they move and
   offload weights); a layer whose class or forward was changed after patching; a norm replaced in its parent after
   patching (PEFT's ``modules_to_save``), or whose weight is on another device than the hidden states. The layer's
-  last add asks the guard about the norm again (``add_residual``): a hook the layer's own code registers on it
-  meanwhile makes it the plain add, and the next layer calls the norm on the sum. A custom loop, or a stack
+  last add asks the guard about the norm again (``add_residual``; ``add_normed_residual`` asks ``sandwich.chains``
+  about both norms it runs): a hook the layer's own code registers on it meanwhile makes it the plain add (a
+  sandwich layer's ``norm_add``), and the next layer calls the norm on the sum. A custom loop, or a stack
   forward replaced after patching, never calls ``call_layer``: every layer called directly runs its adds unfused,
   exactly as before patching.
 * The normed sum is an output of the fused kernel's autograd node and an input of the next layer, so the
@@ -57,7 +60,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from . import guard
+from . import guard, sandwich
 
 # The private keyword the derived loop calls a fused layer with: ``(next norm or None, receives)``.
 KWARG = "_hf_rmsnorm_handoff"
@@ -139,14 +142,30 @@ def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Te
     (``guard.unwatched_call``: the loop asked before the layer ran, whose code may have registered one since); the
     normed sum goes into ``call.normed_output``."""
     norm = None if call is None else call.next_norm
-    if norm is None or not (
-        isinstance(branch, Tensor) and isinstance(residual, Tensor) and type(branch) is type(residual)
-        and branch.shape == residual.shape
-    ) or (fused_norm := guard.unwatched_call(norm)) is None:
+    if norm is None or not _one_add(branch, residual) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
     normed, total = fused_norm(branch, residual=residual)
     call.normed_output = normed
     return total
+
+
+def add_normed_residual(call: LayerCall | None, norm: nn.Module, x: Tensor, residual: Tensor) -> Tensor | None:
+    """``residual + norm(x)``, a sandwich layer's output (its post-feedforward norm's add), from one kernel with
+    the next norm (``sandwich.fused_pair``) when the loop asked for it, the kernel computes that add (as
+    ``add_residual``) and ``sandwich.chains`` accepts the two norms now (no hook watches either: the layer's code
+    may have registered one since the loop asked); the normed sum goes into ``call.normed_output``. None where
+    it does not: the caller computes the add as without a handoff, and the next norm runs on the sum itself."""
+    next_norm = None if call is None else call.next_norm
+    if next_norm is None or not _one_add(x, residual) or not sandwich.chains(norm, next_norm):
+        return None
+    normed, total = sandwich.fused_pair(norm, x, residual, next_norm)
+    call.normed_output = normed
+    return total
+
+
+def _one_add(a: object, b: object) -> bool:
+    # What a norm kernel's add computes as ``a + b`` does: two tensors of one shape and class, no broadcast.
+    return isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape
 
 
 def withdraw(call: LayerCall | None) -> None:

@@ -495,8 +495,14 @@ def _plan_handoffs(
         plan.attrs.append((stack, LINKS_ATTR, links))
         for layer, target in links.items():
             layer_name, layer_kind = layers[layer]
-            plan.report.fused_adds.append(f"{layer_name}: {layer_kind.handoff_label} -> {norms[target.norm]}"
-                                          + while_inactive(layer_kind.handoff_dropout))
+            line = f"{layer_name}: {layer_kind.handoff_label} -> "
+            inside = layer_kind.last_add_inside
+            if inside is None:
+                plan.report.fused_adds.append(f"{line}{norms[target.norm]}"
+                                              + while_inactive(layer_kind.handoff_dropout))
+            else:  # an add already reported inside the layer: one add, now with the next norm too
+                reported = plan.report.fused_adds.index(f"{line}{norms[getattr(layer, inside)]}")
+                plan.report.fused_adds[reported] += f", then {norms[target.norm]}"
 
 
 def _report_unread_stacks(

@@ -1,7 +1,9 @@
 """A sandwich norm's add between two norms in one kernel (Gemma 2-4, GLM-4: ``h = residual + post_norm(h);
 residual = h; h = pre_norm(h)``): ``ops.functional.norm_add_norm`` of the two patched norms' own arguments, where it
 computes what calling them does (``chains``). The layer shapes' bodies (``shapes.py``) and the derived forwards
-(``derived_runtime.norm_add_norm``) call it; each falls back to its own plain calls otherwise.
+(``derived_runtime.norm_add_norm``) call it; so does a sandwich layer's output add, ``residual +
+post_mlp_norm(h)``, with the next layer's input norm (``handoff.add_normed_residual``). Each falls back to its own
+plain calls otherwise.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def _post_norm_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerC
                     **kwargs) -> Tensor:
     """The post-norm decoder layer of ``LayerKind`` (OLMo2; with norms before the branches too, Gemma2's
     sandwich): each branch's norm and the residual add after it in one kernel; in a sandwich, the attention's
-    with the MLP's norm before it too (``sandwich.py``)."""
+    with the MLP's norm before it too (``sandwich.py``), and the MLP's with the next layer's input norm (or the
+    final norm) when the derived stack loop asks (``handoff.add_normed_residual``)."""
     kind: LayerKind = self._hf_rmsnorm_kind
     residual = hidden_states
     if kind.input_norm is not None:
@@ -68,7 +69,10 @@ def _post_norm_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerC
     else:
         hidden_states = _norm_then_add(post_attention_norm, hidden_states, residual)
         mlp_input = hidden_states if pre_mlp_norm is None else pre_mlp_norm(hidden_states)
-    return _norm_then_add(getattr(self, kind.post_mlp_norm), getattr(self, kind.mlp)(mlp_input), hidden_states)
+    post_mlp_norm = getattr(self, kind.post_mlp_norm)
+    mlp_output = getattr(self, kind.mlp)(mlp_input)
+    handed_sum = handoff.add_normed_residual(_hf_rmsnorm_call, post_mlp_norm, mlp_output, hidden_states)
+    return _norm_then_add(post_mlp_norm, mlp_output, hidden_states) if handed_sum is None else handed_sum
 
 
 def _parallel_body(self, hidden_states: Tensor, *args, _hf_rmsnorm_call: LayerCall | None = None,
@@ -162,9 +166,18 @@ class LayerShape:
     body: Callable[..., Tensor]
     # What a patch report and a refused layer call the block.
     block: str
-    # Whether the layer's last residual add may go into the next norm's kernel, and what the report calls it.
-    hands_off_last_add = True
+    # What the report calls the add that goes into the next norm's kernel.
     handoff_label = "mlp residual"
+
+    def hands_off_last_add(self, kind: LayerKind) -> bool:
+        """Whether the layer's last residual add may go into the next norm's kernel."""
+        return True
+
+    def last_add_inside(self, kind: LayerKind) -> str | None:
+        """The norm attribute whose kernel computes the layer's last residual add inside the layer (an inner add,
+        ``inner_adds``), which a handoff chains with the next norm; None where that add is the layer's plain
+        output add."""
+        return None
 
     def validate(self, kind: LayerKind) -> None:
         """Raises ValueError when ``kind``'s attribute names do not make a layer of this shape (by default: one
@@ -227,19 +240,27 @@ class PostNorm(LayerShape):
         h = residual + post_attention_norm(h)
         residual = h; return residual + post_mlp_norm(mlp(pre_mlp_norm(h)))
 
-    Both adds go into the kernels of the norms before them; the next layer does not begin with a norm of the
-    stream, so nothing is handed on."""
+    Both adds go into the kernels of the norms before them. A sandwich layer's next layer begins with a norm of
+    the stream: its last add, ``residual + post_mlp_norm(h)``, goes into one kernel with that norm (or the final
+    norm) when the derived stack loop asks (``sandwich.fused_pair``). OLMo2's layers hand nothing on: the next
+    layer reads the stream unnormed (its last layer's add, read by the final norm, is not chained either)."""
 
     name = "post_norm"
     block = "post-norm block"
-    hands_off_last_add = False
+
+    def hands_off_last_add(self, kind: LayerKind) -> bool:
+        return kind.input_norm is not None
+
+    def last_add_inside(self, kind: LayerKind) -> str | None:
+        return kind.post_mlp_norm
 
     def validate(self, kind: LayerKind) -> None:
         if kind.post_mlp_norm is None or kind.residual_scale or kind.attention_dropout or kind.mlp_dropout:
             raise ValueError("a post-norm LayerKind has a post_mlp_norm and no dropouts or scale")
 
     def inner_adds(self, kind: LayerKind) -> tuple[tuple[str, str, str | None], ...]:
-        return (("attention residual", kind.post_attention_norm, None), ("mlp residual", kind.post_mlp_norm, None))
+        # The last is the add a handoff chains (``last_add_inside``): the report's line for it is extended then.
+        return (("attention residual", kind.post_attention_norm, None), (self.handoff_label, kind.post_mlp_norm, None))
 
     body = staticmethod(_post_norm_body)
 

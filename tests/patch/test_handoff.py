@@ -8,14 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from family_cases import CASES
-from patch_models import clone, family_model, input_ids, tiny_model, training_step, unfused_copy
+from patch_models import (
+    clone, family_model, graph_calls, input_ids, recording_aot_eager, tiny_model, training_step, unfused_copy,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from harness import residual_census
 from hf_rmsnorm import patch_model
 
-# Llama and Qwen3 (registered sequential layers), GraniteMoE (its forward derived from its code), Gemma2 (a
-# sandwich layer: its adds go into the norms inside it, nothing is handed on).
+# Llama and Qwen3 (registered sequential layers), LFM2 and Apertus (their forwards derived from their code), Gemma2
+# (a sandwich layer: its output add goes into one kernel with its post-feedforward norm and the next norm).
 FAMILIES = ["llama", "qwen3", "lfm2", "apertus", "gemma2"]
 MODES = ["eager", "compiled", "layers compiled", "checkpointed", "checkpointed reentrant"]
 
@@ -68,28 +70,15 @@ def test_compiled_checkpointed_training_fuses_every_add_with_the_unfused_gradien
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         torch._dynamo.reset()
         graphs = []
-        compiled = torch.compile(m, backend=_recording_aot_eager(graphs), fullgraph=True)
+        compiled = torch.compile(m, backend=recording_aot_eager(graphs), fullgraph=True)
         m.zero_grad()
         compiled(ids, labels=ids, use_cache=False).loss.backward()
-        adding = sum(str(node.target).startswith(("hf_rmsnorm.add_norm_fwd", "hf_rmsnorm.norm_add_fwd"))
-                     for graph in graphs for module in graph.modules() if isinstance(module, torch.fx.GraphModule)
-                     for node in module.graph.nodes)
+        adding = graph_calls(graphs, "hf_rmsnorm.add_norm_fwd", "hf_rmsnorm.norm_add_fwd")
         results.append((adding, {name: p.grad.clone() for name, p in m.named_parameters()}))
     (adding, grads), (unfused_adding, expected) = results
     assert (adding, unfused_adding) == (CASES["llama"].adds, 0)
     for name, grad in expected.items():
         assert torch.equal(grads[name], grad), name
-
-
-def _recording_aot_eager(graphs: list):
-    """torch.compile's ``aot_eager`` backend, keeping each graph Dynamo captured."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return lookup_backend("aot_eager")(graph, example_inputs)
-
-    return backend
 
 
 def _forward_hook(module, args, output):
