@@ -96,20 +96,30 @@ def is_output_recorder(hook: Callable) -> bool:
     return index is not None and index.cell_contents == 0
 
 
+def calls_forward_alone(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run its ``forward`` and nothing else: no hook watches it (``watched``, no
+    hook exempted) and ``nn.Module.__call__`` dispatches straight to ``forward`` (``_dispatches_to_forward``). A site
+    that runs a module's fused work without calling it (``sandwich.fused_pair`` takes two norms' parameters) asks
+    this."""
+    return not watched(module) and _dispatches_to_forward(module)
+
+
 def unwatched_call(module: nn.Module) -> Callable | None:
     """None where a hook would see a call of ``module`` (``watched``, no hook exempted); otherwise what calling
-    ``module`` runs: its bound ``forward`` itself where ``nn.Module.__call__`` would call just that, else ``module``.
-
-    Without hooks (``watched`` tests ``_call_impl``'s condition for running any), ``nn.Module.__call__`` calls
-    ``self.forward`` (an instance's own ``forward`` included, as here) and nothing else, provided that: the class
-    neither overrides ``__call__`` nor ``_call_impl`` and no instance attribute shadows ``_call_impl``, and both are
-    still torch's (a profiler may wrap them); the module was not compiled on its own (``nn.Module.compile`` sets
-    ``_compiled_call_impl``); and no ``torch.jit.trace`` is running (which calls ``_slow_forward``). Each is read
-    here at every call, right before the call; otherwise the module itself is returned, and called as usual."""
+    ``module`` runs: its bound ``forward`` itself where ``nn.Module.__call__`` would call just that
+    (``_dispatches_to_forward``), else ``module``."""
     if watched(module):
         return None
+    return module.forward if _dispatches_to_forward(module) else module
+
+
+def _dispatches_to_forward(module: nn.Module) -> bool:
+    """Without hooks (``watched`` tests ``_call_impl``'s condition for running any), ``nn.Module.__call__`` calls
+    ``self.forward`` (an instance's own ``forward`` included) and nothing else, provided that: the class neither
+    overrides ``__call__`` nor ``_call_impl`` and no instance attribute shadows ``_call_impl``, and both are still
+    torch's (a profiler may wrap them); the module was not compiled on its own (``nn.Module.compile`` sets
+    ``_compiled_call_impl``); and no ``torch.jit.trace`` is running (which calls ``_slow_forward``). Each is read
+    here at every call, right before the call."""
     cls, state = type(module), module.__dict__
-    if (cls.__call__ is _MODULE_CALL and cls._call_impl is _MODULE_CALL_IMPL and "_call_impl" not in state
-            and state.get("_compiled_call_impl") is None and not torch._C._get_tracing_state()):
-        return module.forward
-    return module
+    return (cls.__call__ is _MODULE_CALL and cls._call_impl is _MODULE_CALL_IMPL and "_call_impl" not in state
+            and state.get("_compiled_call_impl") is None and not torch._C._get_tracing_state())

@@ -16,15 +16,16 @@ from . import guard
 def chains(norm: nn.Module, next_norm: nn.Module) -> bool:
     """Whether one kernel computes ``next_norm(residual + norm(x))`` and the sum as the two modules' calls do. The
     kernel takes both norms' parameters without calling either module (``fused_pair``), so each must be a patched
-    norm (a fused class holding its mode's ``BoundNorm``) of one mode, that no hook watches (``guard.watched``) and
-    whose call runs nothing but its class's fused forward as installed: no forward set on the class or the
+    norm (a fused class holding its mode's ``BoundNorm``) of one mode whose call runs nothing but its class's fused
+    forward as installed: no hook, a call dispatched straight to ``forward`` (``guard.calls_forward_alone``: not
+    compiled on its own, no profiler's ``_call_impl``, no ``torch.jit.trace``), no forward set on the class or the
     instance since patching, no accelerate hook (``_hf_hook``, which moves or offloads its weights on the call).
     Then calling it runs exactly that forward, which reads its parameters (``NormKind.argument_reader``) and runs its
     mode's op: ``fused_pair`` reads the same and runs the op that computes both (bitwise the two ops)."""
     return (
         _runs_its_fused_forward(norm) and _runs_its_fused_forward(next_norm)
         and type(norm)._hf_rmsnorm_kind.mode == type(next_norm)._hf_rmsnorm_kind.mode
-        and not guard.watched(norm) and not guard.watched(next_norm)
+        and guard.calls_forward_alone(norm) and guard.calls_forward_alone(next_norm)
     )
 
 

@@ -159,6 +159,24 @@ def test_a_hook_on_either_norm_makes_the_pair_two_calls(family, watched, monkeyp
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("how", ["compiled on its own", "profiler's _call_impl"])
+def test_a_norm_whose_call_does_more_than_its_forward_is_not_chained(how, monkeypatch):
+    """The pair's kernel runs both norms' work without calling them, so a norm whose call would do more than run its
+    forward (compiled on its own, ``_call_impl`` wrapped by a profiler: ``guard.calls_forward_alone``) is not
+    chained: its own call runs."""
+    model = _model("gemma3_text")
+    patch_model(model)
+    layer = model.model.layers[0]
+    first, second = (getattr(layer, name) for name in PAIRS["gemma3_text"])
+    assert sandwich.chains(first, second)
+    if how == "compiled on its own":
+        second.compile()
+    else:
+        wrapped = torch.nn.Module._call_impl
+        monkeypatch.setattr(torch.nn.Module, "_call_impl", lambda self, *args, **kwargs: wrapped(self, *args, **kwargs))
+    assert not sandwich.chains(first, second) and not sandwich.chains(second, first)
+
+
 @pytest.mark.parametrize("when", ["before the call", "by the layer's code"])
 def test_a_hook_on_the_next_input_norm_gets_the_plain_calls(when, monkeypatch):
     """A forward pre-hook on layer 1's input norm, registered before the model's call (the loop links nothing
