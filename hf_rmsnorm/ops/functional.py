@@ -148,14 +148,20 @@ def _(x, residual, weight, bias, eps, mode):
     return residual.new_empty(x.shape, dtype=torch.promote_types(residual.dtype, y.dtype)), stats
 
 
+def _chains_in_kernel(x, residual, weight, bias, weight2, bias2, mode) -> bool:
+    """Whether ``norm_add_norm`` runs its kernel (``launch.norm_add_norm_forward``): the first norm adds in its
+    kernel (``_adds_in_kernel``) and the second norm's parameters load there too."""
+    return _adds_in_kernel(x, residual, weight, bias, mode) and runs_kernels(x, weight2, bias2)
+
+
 def _norm_add_norm_forward(x, residual, weight, bias, eps, weight2, bias2, eps2, mode, store_stats=True):
     """``(norm2(total), total, stats, stats2)`` with ``total = residual + norm(x)``: one kernel where
-    ``_adds_in_kernel`` (and the second norm's parameters load), else ``_norm_add_forward`` then ``_forward``, or
-    the PyTorch implementation where the kernels do not run. ``norm2`` reads the sum, which has the residual's
-    shape and device: its arguments are checked against the residual's."""
+    ``_chains_in_kernel``, else ``_norm_add_forward`` then ``_forward``, or the PyTorch implementation where the
+    kernels do not run. ``norm2`` reads the sum, which has the residual's shape and device: its arguments are
+    checked against the residual's."""
     check_forward(x, residual, weight, bias, eps, mode)
     check_forward(residual, None, weight2, bias2, eps2, mode)
-    if _adds_in_kernel(x, residual, weight, bias, mode) and runs_kernels(x, weight2, bias2):
+    if _chains_in_kernel(x, residual, weight, bias, weight2, bias2, mode):
         return norm_add_norm_forward(x, residual, weight, bias, eps, weight2, bias2, eps2, mode, store_stats)
     if not runs_kernels(x, residual, weight, bias, weight2, bias2):
         return reference.norm_add_norm_reference(x, residual, weight, bias, eps, weight2, bias2, eps2, mode)
@@ -563,7 +569,7 @@ class BoundNorm:
                        weight2: Tensor | None, bias2: Tensor | None) -> SandwichLaunch | None:
         """The binding of a general-path ``norm_add_norm`` call that returned: the ``SandwichLaunch`` it launched, or
         None where it ran anything else (``_norm_add_norm_forward``'s other branches)."""
-        if not (_adds_in_kernel(x, residual, weight, bias, self.mode) and runs_kernels(x, weight2, bias2)):
+        if not _chains_in_kernel(x, residual, weight, bias, weight2, bias2, self.mode):
             return None
         return sandwich_launch(x.dtype, residual.dtype, dtype_of(weight), dtype_of(bias), dtype_of(weight2),
                                dtype_of(bias2), int(x.shape[-1]), self.mode, False, device_arch(x.get_device()))

@@ -80,13 +80,8 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
 def _rewrite_before(plan: BeforePlan) -> tuple[list[ast.stmt], ast.stmt, str]:
     """``s = a + b`` -> ``normed, s = norm_of_sum(F, a, b)``, and ``F(s)`` in the consumer -> ``normed``; returns
     what to free after the consumer."""
-    add = plan.add
-    normed = f"{_NORMED}{add.lineno}_{add.col_offset}"
-    targets = ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(plan.total, ast.Store())], ast.Store())
-    plan.statements[plan.index] = located(
-        ast.Assign([targets], _helper_call("norm_of_sum", plan.call.func, add.left, add.right)), add)
-    _replace(plan.consumer, plan.call, located(ast.Name(normed, ast.Load()), plan.call))
-    return plan.statements, plan.consumer, normed
+    value = _helper_call("norm_of_sum", plan.call.func, plan.add.left, plan.add.right)
+    return _bind_normed_sum(plan.statements, plan.index, plan.add, plan.total, value, plan.consumer, plan.call)
 
 
 def _rewrite_after(plan: AfterPlan) -> None:
@@ -94,22 +89,32 @@ def _rewrite_after(plan: AfterPlan) -> None:
     value = _helper_call("norm_then_add", plan.call.func, plan.call.args[0], plan.residual)
     statement = ast.Return(value) if plan.total is None else ast.Assign([ast.Name(plan.total, ast.Store())], value)
     plan.statements[plan.index] = located(statement, plan.add)
-    if plan.dropped is not None:
-        plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
+    _drop_norm_binding(plan)
 
 
 def _rewrite_chained_after(plan: AfterPlan) -> tuple[list[ast.stmt], ast.stmt, str]:
     """``s = r + F(e)`` -> ``normed, s = norm_add_norm(F, e, r, F2)``, ``y = F(e)`` -> ``pass`` and ``F2(s)`` in
     the consumer -> ``normed``; returns what to free after the consumer (as ``_rewrite_before``)."""
-    add = plan.add
-    normed = f"{_NORMED}{add.lineno}_{add.col_offset}"
-    targets = ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(plan.total, ast.Store())], ast.Store())
+    _drop_norm_binding(plan)
     value = _helper_call("norm_add_norm", plan.call.func, plan.call.args[0], plan.residual, plan.next_call.func)
-    plan.statements[plan.index] = located(ast.Assign([targets], value), add)
+    return _bind_normed_sum(plan.statements, plan.index, plan.add, plan.total, value, plan.consumer, plan.next_call)
+
+
+def _bind_normed_sum(statements: list[ast.stmt], index: int, add: ast.BinOp, total: str, value: ast.expr,
+                     consumer: ast.stmt, call: ast.Call) -> tuple[list[ast.stmt], ast.stmt, str]:
+    """``statements[index]`` (the add's) -> ``normed, total = value``, and the norm's ``call`` in ``consumer`` ->
+    ``normed``; returns what to free after the consumer."""
+    normed = f"{_NORMED}{add.lineno}_{add.col_offset}"
+    targets = ast.Tuple([ast.Name(normed, ast.Store()), ast.Name(total, ast.Store())], ast.Store())
+    statements[index] = located(ast.Assign([targets], value), add)
+    _replace(consumer, call, located(ast.Name(normed, ast.Load()), call))
+    return statements, consumer, normed
+
+
+def _drop_norm_binding(plan: AfterPlan) -> None:
+    # ``y = F(e)`` of the two-statement form -> ``pass``: the helper calls the norm.
     if plan.dropped is not None:
         plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
-    _replace(plan.consumer, plan.next_call, located(ast.Name(normed, ast.Load()), plan.next_call))
-    return plan.statements, plan.consumer, normed
 
 
 def _rewrite_output(plan: OutputPlan) -> None:

@@ -14,13 +14,9 @@ from .families import NormKind
 
 def _fused_call(norm: object, a: object, b: object) -> Callable | None:
     """How to call ``norm`` fused (``guard.unwatched_call``) where its fused kernel computes ``norm(a + b)`` (or
-    ``a + norm(b)``) as the original does: a patched norm no hook watches, and two tensors of one shape, class and
-    device (no broadcasting, no DTensor mixed with a tensor); None elsewhere."""
-    if (
-        isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind)
-        and isinstance(a, Tensor) and isinstance(b, Tensor)
-        and type(a) is type(b) and a.shape == b.shape and a.device == b.device
-    ):
+    ``a + norm(b)``) as the original does: a patched norm no hook watches, and an add the kernel computes
+    (``handoff.kernel_adds``); None elsewhere."""
+    if isinstance(getattr(type(norm), "_hf_rmsnorm_kind", None), NormKind) and handoff.kernel_adds(a, b):
         return guard.unwatched_call(norm)
     return None
 
@@ -51,7 +47,7 @@ def norm_add_norm(norm: nn.Module, x: Tensor, residual: Tensor, next_norm: nn.Mo
     """``(next_norm(residual + norm(x)), residual + norm(x))``, a sandwich norm's add between two norms
     (``derived_sites``' chained ``after`` site): from one kernel when it can be (``sandwich.chains``), else
     ``norm_then_add`` and the next norm's call, the original's expressions."""
-    if _fused_call(norm, residual, x) is not None and sandwich.chains(norm, next_norm):
+    if handoff.kernel_adds(residual, x) and sandwich.chains(norm, next_norm):
         return sandwich.fused_pair(norm, x, residual, next_norm)
     total = norm_then_add(norm, x, residual)
     return next_norm(total), total

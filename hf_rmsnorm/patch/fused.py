@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -43,10 +44,11 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
             "kernel_layer_name": _NO_HUB_LAYER,
         }
         if isinstance(kind, NormKind):
-            norm_forward = _norm_forward(kind)
-            # What ``sandwich.fused_pair`` reads of a patched norm to run its kernel without calling the norm.
-            namespace.update(_hf_rmsnorm_norm=bound_norm(kind.mode),
-                             _hf_rmsnorm_arguments=staticmethod(kind.argument_reader()))
+            bound, arguments = bound_norm(kind.mode), kind.argument_reader()
+            norm_forward = _norm_forward(bound, arguments)
+            # What ``sandwich.fused_pair`` reads of a patched norm to run its kernel without calling the norm: the
+            # very objects its forward holds.
+            namespace.update(_hf_rmsnorm_norm=bound, _hf_rmsnorm_arguments=staticmethod(arguments))
             namespace["forward"] = _forward_like(norm_forward, base.forward, _norm_signature(base.forward))
             namespace["forward"].__doc__ = norm_forward.__doc__  # it says what the fused forward adds
         elif isinstance(kind, QKAttentionKind):
@@ -158,12 +160,10 @@ def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stack
     return cls.__new__(cls)
 
 
-def _norm_forward(kind: NormKind):
-    """The fused forward of a norm of ``kind``, with what ``kind`` fixes (its argument reader, the mode's
-    ``BoundNorm``, whose launches are bound once) held by the function rather than looked up at every call: a decode
+def _norm_forward(bound: BoundNorm, arguments: Callable[[nn.Module], tuple]):
+    """The fused forward of a norm whose kind's argument reader is ``arguments`` and whose mode's ``BoundNorm``
+    (launches bound once) is ``bound``, both held by the function rather than looked up at every call: a decode
     call is bound by host time."""
-    bound: BoundNorm = bound_norm(kind.mode)
-    arguments = kind.argument_reader()
 
     def norm_forward(self, hidden_states: Tensor, residual: Tensor | None = None, *, add_to: Tensor | None = None):
         """``norm(hidden_states)``; with ``residual`` the pair ``(norm(residual + hidden_states), residual +

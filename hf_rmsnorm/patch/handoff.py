@@ -142,7 +142,7 @@ def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Te
     (``guard.unwatched_call``: the loop asked before the layer ran, whose code may have registered one since); the
     normed sum goes into ``call.normed_output``."""
     norm = None if call is None else call.next_norm
-    if norm is None or not _one_add(branch, residual) or (fused_norm := guard.unwatched_call(norm)) is None:
+    if norm is None or not kernel_adds(branch, residual) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
     normed, total = fused_norm(branch, residual=residual)
     call.normed_output = normed
@@ -156,16 +156,18 @@ def add_normed_residual(call: LayerCall | None, norm: nn.Module, x: Tensor, resi
     may have registered one since the loop asked); the normed sum goes into ``call.normed_output``. None where
     it does not: the caller computes the add as without a handoff, and the next norm runs on the sum itself."""
     next_norm = None if call is None else call.next_norm
-    if next_norm is None or not _one_add(x, residual) or not sandwich.chains(norm, next_norm):
+    if next_norm is None or not kernel_adds(x, residual) or not sandwich.chains(norm, next_norm):
         return None
     normed, total = sandwich.fused_pair(norm, x, residual, next_norm)
     call.normed_output = normed
     return total
 
 
-def _one_add(a: object, b: object) -> bool:
-    # What a norm kernel's add computes as ``a + b`` does: two tensors of one shape and class, no broadcast.
-    return isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape
+def kernel_adds(a: object, b: object) -> bool:
+    """Whether a norm kernel's add computes ``a + b`` as torch does: two tensors of one shape, class and device (no
+    broadcasting, no DTensor mixed with a tensor)."""
+    return (isinstance(a, Tensor) and isinstance(b, Tensor) and type(a) is type(b) and a.shape == b.shape
+            and a.device == b.device)
 
 
 def withdraw(call: LayerCall | None) -> None:
