@@ -58,9 +58,7 @@ from .kernel_inspect import QK_K_HEADS, QK_Q_HEADS
 QK_VARIANTS = ("qk-infer", "qk-fwd", "qk-bwd")
 # A sandwich norm's norm, add and next norm (norm_add_norm: ``s = residual + norm(x); y = norm2(s)``), as a Gemma 2-4
 # layer calls it: one launch for rows of one tile, the two existing launches wider. Its backward chains the two
-# norms' backward kernels, and between them adds the second norm's input gradient to the gradient from the sum's
-# other readers with an aten add (as autograd accumulates it for the two modules): that add's 6 bytes per element
-# (bf16; read two, write one) are not counted here, only the kernels' are.
+# norms' backward kernels, the second of which also adds the gradient from the sum's other readers.
 SANDWICH_VARIANTS = ("sandwich-infer", "sandwich-fwd", "sandwich-bwd")
 VARIANTS = ("infer", "infer+res", "fwd", "fwd+res", "fwd+bias", "fwd+res+bias", "bwd", "bwd+dsum", "bwd+dsum+bias",
             *QK_VARIANTS, *SANDWICH_VARIANTS)

@@ -214,7 +214,7 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
             norm_input = x if new_residual is None else new_residual
             dsum = None if new_residual is None else torch.empty_like(new_residual)
             launch.norm_backward(torch.empty_like(y), dsum, norm_input, stats, weight,
-                                 None if bias is None else bias.dtype, mode, x.dtype, None)
+                                 None if bias is None else bias.dtype, mode, x.dtype, None, False)
     if not variant.startswith("bwd"):
         (args, kwargs), = fwd.calls
         return launch.norm_fwd_kernel, args, kwargs
