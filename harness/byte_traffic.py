@@ -56,8 +56,12 @@ from .kernel_inspect import QK_K_HEADS, QK_Q_HEADS
 # ``hidden`` with Qwen3-8B's query and key head counts, ``cos``/``sin`` of ``hidden`` columns; their rows are tokens,
 # their bytes per element per element of a token's q and k.
 QK_VARIANTS = ("qk-infer", "qk-fwd", "qk-bwd")
+# A sandwich norm's norm, add and next norm (norm_add_norm: ``s = residual + norm(x); y = norm2(s)``), as a Gemma 2-4
+# layer calls it: one launch for rows of one tile, the two existing launches wider. Its backward chains the two
+# norms' backward kernels, the second of which also adds the gradient from the sum's other readers.
+SANDWICH_VARIANTS = ("sandwich-infer", "sandwich-fwd", "sandwich-bwd")
 VARIANTS = ("infer", "infer+res", "fwd", "fwd+res", "fwd+bias", "fwd+res+bias", "bwd", "bwd+dsum", "bwd+dsum+bias",
-            *QK_VARIANTS)
+            *QK_VARIANTS, *SANDWICH_VARIANTS)
 DEFAULT_VARIANTS = ("infer", "infer+res", "bwd", "bwd+dsum")
 DEFAULT_HIDDEN = (1024, 4096, 8192, 16384, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -277,6 +281,32 @@ def _count_qk_call(variant: str, tokens: int, head_dim: int, dtype: torch.dtype,
     return counter
 
 
+def _count_sandwich_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: str) -> TrafficCounter:
+    """``count_call`` for the sandwich variants (``SANDWICH_VARIANTS``): ``norm_add_norm`` on ``rows x hidden``,
+    both norms' weights trained-like and counted once per call by their touched bytes; the backward's incoming
+    gradients are ``y``'s and the sum's (the sum's other reader, the layer's next residual add)."""
+    from hf_rmsnorm.ops.functional import norm_add_norm
+
+    t = _inputs("res", rows, hidden, dtype)
+    x, residual, weight, dy, dsum = t["x"], t["residual"], t["weight"], t["dy"], t["dsum"]
+    weight2 = 1.0 - 0.1 * weight
+    counter = TrafficCounter(frozenset(p.data_ptr() for p in (weight, weight2)))
+    training = variant != "sandwich-infer"
+    leaves = [p.requires_grad_(training) for p in (x, residual, weight, weight2)]
+
+    def forward() -> tuple[torch.Tensor, ...]:
+        return norm_add_norm(x, residual, weight, EPS, bias=None, weight2=weight2, eps2=EPS, bias2=None, mode=mode)
+
+    if variant != "sandwich-bwd":
+        with torch.set_grad_enabled(training), counter.counting():
+            forward()
+        return counter
+    outputs = forward()
+    with counter.counting():
+        torch.autograd.grad(outputs, leaves, (dy, dsum))
+    return counter
+
+
 def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: str) -> TrafficCounter:
     """Runs one call of ``variant`` (one of ``VARIANTS``) on ``rows x hidden`` and returns the
     counter of its kernels' traffic: the forward's (``infer*`` without autograd, ``fwd*`` with it) or, for
@@ -285,6 +315,8 @@ def count_call(variant: str, rows: int, hidden: int, dtype: torch.dtype, mode: s
 
     if variant in QK_VARIANTS:
         return _count_qk_call(variant, rows, hidden, dtype, mode)
+    if variant in SANDWICH_VARIANTS:
+        return _count_sandwich_call(variant, rows, hidden, dtype, mode)
     t = _inputs(variant, rows, hidden, dtype)
     x, residual, weight, bias = t["x"], t["residual"], t["weight"], t["bias"]
     counter = TrafficCounter(frozenset(p.data_ptr() for p in (weight, bias) if p is not None))
@@ -345,7 +377,9 @@ def default_rows(hidden: int, variant: str = "fwd") -> int:
 
 
 def _min_bytes(variant: str, rows: int, hidden: int, dtype: torch.dtype) -> int:
-    phase = "bwd" if variant.startswith("bwd") or variant == "qk-bwd" else "fwd"
+    phase = "bwd" if variant.startswith("bwd") or variant.endswith("-bwd") else "fwd"
+    if variant in SANDWICH_VARIANTS:
+        return kernel_bench.sandwich_min_traffic_bytes(phase, rows, hidden, dtype.itemsize, dtype.itemsize)
     if variant in QK_VARIANTS:
         return kernel_bench.qk_min_traffic_bytes(phase, rows, QK_Q_HEADS + QK_K_HEADS, hidden, hidden, dtype.itemsize,
                                                  dtype.itemsize)

@@ -43,7 +43,9 @@ DTYPES = ("bf16", "fp16", "fp32")
 DEFAULT_ROWS = 4095
 # SMs of the reference card of each architecture (H100 SXM, A100); only the backward's program count uses it.
 SM_COUNTS = {"sm_80": 108, "sm_90": 132}
-# "infer": a forward without autograd, which skips the statistics only the backward reads. "bwd-dot": the row
+# "infer": a forward without autograd, which skips the statistics only the backward reads. "bwd+dsum+rounded": the
+# backward of a sandwich's second norm, which rounds its input gradient before adding dsum (``round_before_dsum``).
+# "bwd-dot": the row
 # reductions that come first in the backward of rows wider than one tile (row_dot_kernel; the "bwd" variants are
 # then column_bwd_kernel), not launched for narrower rows.
 # The fused q/k norms + RoPE (qk_kernels.py), "qk" variants: per-head norms over heads of ``hidden`` (head_dim =
@@ -56,7 +58,7 @@ QK_Q_HEADS, QK_K_HEADS, QK_HEAD_DIM = 32, 8, 128
 # statistics or without ("sandwich-infer"); rows wider than one tile make no such launch (the "fwd" variants' two).
 SANDWICH_VARIANTS = ("sandwich", "sandwich-infer")
 VARIANTS = ("fwd", "fwd+bias", "fwd+res", "fwd+res+bias", "infer", "infer+res", "bwd", "bwd+dsum", "bwd+dsum+bias",
-            "bwd-dot", *QK_VARIANTS, *SANDWICH_VARIANTS)
+            "bwd+dsum+rounded", "bwd-dot", *QK_VARIANTS, *SANDWICH_VARIANTS)
 # The most a variant may spill, in bytes a thread (issue 28): a few reloads per row. The plans send a backward
 # whose single tile would spill more to the wide kernels (launch.bwd_max_tile_n).
 MAX_SPILL_BYTES = 64
@@ -214,7 +216,7 @@ def capture_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: str,
             norm_input = x if new_residual is None else new_residual
             dsum = None if new_residual is None else torch.empty_like(new_residual)
             launch.norm_backward(torch.empty_like(y), dsum, norm_input, stats, weight,
-                                 None if bias is None else bias.dtype, mode, x.dtype, None)
+                                 None if bias is None else bias.dtype, mode, x.dtype, None, "rounded" in variant)
     if not variant.startswith("bwd"):
         (args, kwargs), = fwd.calls
         return launch.norm_fwd_kernel, args, kwargs

@@ -199,18 +199,23 @@ def _norm_bwd_impl(
     mode: str,
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
+    round_before_dsum: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns ``(dx, dresidual, dweight, dbias)``; outputs that are not needed (or that do not exist: no
-    weight) are empty tensors (custom ops cannot return None, nor one tensor twice)."""
+    weight) are empty tensors (custom ops cannot return None, nor one tensor twice). ``round_before_dsum``: as
+    ``launch.norm_backward``'s."""
     check_backward(dy, dsum, norm_input, stats, weight, mode)
     if runs_kernels(dy, dsum, norm_input, weight):
         dx, dres, dweight, dbias = norm_backward(
-            dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
+            dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype, round_before_dsum
         )
     else:
+        rounded_first = round_before_dsum and dsum is not None
         grad, dweight, dbias = reference.backward_reference(
-            dy, dsum, norm_input, stats, weight, bias_dtype is not None, mode
+            dy, None if rounded_first else dsum, norm_input, stats, weight, bias_dtype is not None, mode
         )
+        if rounded_first:
+            grad = grad.to(dx_dtype).to(grad.dtype) + dsum.to(grad.dtype)
         dx = grad.to(dx_dtype)
         dres = None if dres_dtype is None else grad.to(dres_dtype)
         dweight = None if dweight is None else dweight.to(weight.dtype)
@@ -223,7 +228,7 @@ _norm_bwd = define_ops("norm_bwd", _norm_bwd_impl)
 
 
 @_norm_bwd.register_fake
-def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype):
+def _(dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype, round_before_dsum):
     check_backward(dy, dsum, norm_input, stats, weight, mode)
     dx = norm_input.new_empty(norm_input.shape, dtype=dx_dtype)
     dres = dx.new_empty(norm_input.shape if dres_dtype is not None else (0,), dtype=dres_dtype or dx_dtype)
@@ -245,7 +250,8 @@ def _backward(ctx, dy: Tensor | None, dsum: Tensor | None, dx_dtype: torch.dtype
 
 
 def _backward_of(dy: Tensor | None, dsum: Tensor | None, norm_input: Tensor, stats: Tensor, weight: Tensor | None,
-                 bias_dtype: torch.dtype | None, mode: str, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None):
+                 bias_dtype: torch.dtype | None, mode: str, dx_dtype: torch.dtype, dres_dtype: torch.dtype | None,
+                 *, round_before_dsum: bool = False):
     """One norm's backward (``_norm_bwd_impl``'s outputs, None where absent) through the implementation the call
     needs (below)."""
     if dy is None:
@@ -262,7 +268,7 @@ def _backward_of(dy: Tensor | None, dsum: Tensor | None, norm_input: Tensor, sta
     else:
         backward = _norm_bwd_impl if plain else _CUSTOM_OPS.backward
     dx, dres, dweight, dbias = backward(
-        dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype
+        dy, dsum, norm_input, stats, weight, bias_dtype, mode, dx_dtype, dres_dtype, round_before_dsum
     )
     return dx, dres, (dweight if weight is not None else None), (dbias if bias_dtype is not None else None)
 
@@ -324,14 +330,14 @@ def _norm_add_norm_backward(ctx, dy, dtotal, _dstats, _dstats2):
     # The second norm's backward, then the first's norm_add backward: the two ops' own, in the order autograd runs
     # them for ``norm_add`` then ``norm``. The sum's gradient is what autograd accumulates there: the second norm's
     # input gradient, rounded to the sum's dtype, plus the gradient from the sum's other readers, added in that
-    # dtype (not folded into the kernel before its rounding, which would round once instead of twice): the
+    # dtype. The second norm's kernel does that add itself (``round_before_dsum``: its input gradient rounded, then
+    # added in fp32 and rounded again, as aten's add of the two rounds), saving a launch and its traffic: the
     # gradients are bitwise the two ops'.
     x, stats, weight, total, stats2, weight2 = ctx.saved_tensors
     dweight2 = dbias2 = None
     if dy is not None:
-        dnorm2, _, dweight2, dbias2 = _backward_of(dy, None, total, stats2, weight2, ctx.bias2_dtype, ctx.mode,
-                                                   total.dtype, None)
-        dtotal = dnorm2 if dtotal is None else dnorm2 + dtotal
+        dtotal, _, dweight2, dbias2 = _backward_of(dy, dtotal, total, stats2, weight2, ctx.bias2_dtype, ctx.mode,
+                                                   total.dtype, None, round_before_dsum=True)
     dx, _, dweight, dbias = _backward_of(dtotal, None, x, stats, weight, ctx.bias_dtype, ctx.mode, ctx.x_dtype, None)
     dres = None if dtotal is None else dtotal.to(ctx.res_dtype)
     return dx, dres, dweight, dbias, None, dweight2, dbias2, None, None

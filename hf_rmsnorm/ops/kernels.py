@@ -457,11 +457,15 @@ def _input_grad(g, n, c, g_mean, rstd, CENTER: tl.constexpr):
 @triton.jit
 def _store_input_grad(
     dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_BEFORE_DSUM: tl.constexpr,
 ):
     """Folds in the gradient that reached the residual sum and stores the input gradient (twice when x and
-    the residual have different dtypes)."""
+    the residual have different dtypes). With ``ROUND_BEFORE_DSUM`` the norm's own input gradient is rounded to
+    ``DX``'s dtype before the fp32 add, so the stored sum is what autograd's accumulation of the two rounded
+    gradients (an aten add in that dtype, computed in fp32 and rounded once) gives, bit for bit."""
     if HAS_DSUM:
+        if ROUND_BEFORE_DSUM:
+            dx = dx.to(DX.dtype.element_ty).to(tl.float32)
         dx += tl.load(DSUM + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_DRES:
@@ -473,9 +477,10 @@ def norm_bwd_kernel(
     DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_row_blocks,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
-    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_BEFORE_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
     ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
@@ -534,7 +539,7 @@ def norm_bwd_kernel(
             n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER, LAST_READ=True)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-                          HAS_DSUM, HAS_DRES)
+                          HAS_DSUM, HAS_DRES, ROUND_BEFORE_DSUM)
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     if HAS_BIAS:
@@ -580,9 +585,10 @@ def column_bwd_kernel(
     DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_col_blocks, rows_per_group,
     stride_dy, stride_dsum, stride_s, stride_dx, stride_dres,
-    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_BEFORE_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """The wide backward's second kernel: program ``p`` owns column block ``p % n_col_blocks`` of the row group
     ``p // n_col_blocks`` (``rows_per_group`` rows, a multiple of ``BLOCK_M``). It makes the input gradient of
@@ -612,7 +618,7 @@ def column_bwd_kernel(
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
         _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
-                          HAS_DSUM, HAS_DRES)
+                          HAS_DSUM, HAS_DRES, ROUND_BEFORE_DSUM)
         if HAS_WEIGHT:
             dw_acc += dy * n_weighted
         if HAS_BIAS:

@@ -495,11 +495,14 @@ def norm_backward(
     mode: str,
     dx_dtype: torch.dtype,
     dres_dtype: torch.dtype | None,
+    round_before_dsum: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Runs the backward: ``norm_bwd_kernel`` for rows of one tile, one launch; ``row_dot_kernel`` then
     ``column_bwd_kernel`` for wider ones, whose programs end by summing the weight (and bias) gradient. Returns
     ``(dx, dresidual, dweight, dbias)``; ``dresidual`` is only allocated when its dtype differs from ``dx``'s
-    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight.
+    (otherwise the caller reuses ``dx``); ``dweight`` is None without a weight. ``dsum`` is added to the input
+    gradient in fp32 before its one rounding, or, with ``round_before_dsum``, after the input gradient is rounded to
+    ``dx_dtype`` (the sum autograd's accumulation of the two gradients gives: ``norm_add_norm``'s backward).
 
     ``stats`` must be as a forward returned them, their counters zero (``modes.STATS_SYNC_SLOTS``; autograd
     always passes them so): the kernels count on them and leave them zero again."""
@@ -535,7 +538,8 @@ def norm_backward(
     sync = torch.zeros(STATS_SYNC_SLOTS, dtype=stats.dtype, device=device) if is_traced(dy) else stats
     dsum2, stride_dsum = (None, 0) if dsum is None else _as_rows(dsum, n_cols)  # None: untouched, as in the forward
     flags = m.kernel_flags
-    gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None, HAS_WEIGHT=weight is not None,
+    gradients = dict(HAS_DSUM=dsum is not None, HAS_DRES=dres is not None,
+                     ROUND_BEFORE_DSUM=round_before_dsum and dsum is not None, HAS_WEIGHT=weight is not None,
                      HAS_BIAS=bias_dtype is not None, **flags, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                      NUM_STAGES=plan.num_stages)
     if plan.single_tile:

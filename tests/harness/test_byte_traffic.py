@@ -52,6 +52,14 @@ EXPECTED_PER_ROW_RATIO = {
     # (6 + 4) / 6 = 1.67 without (was 2.5 and 3.0 with a read-modify-written partial row per row).
     ("bwd", BWD_WIDE): 10 / 6,
     ("bwd+dsum", BWD_WIDE): 1.5,
+    # A sandwich's norm, add and next norm (norm_add_norm) in one launch: read x and the residual, write the sum and
+    # y (8 bytes per element), nothing re-read. Its backward's two kernels: the second norm's reads dy, the saved
+    # sum and the gradient from the sum's other readers, and writes the sum's gradient (the residual's too: the
+    # same tensor); the first's reads that gradient again and x, and writes dx: 14 bytes over the minimum's 12 (the
+    # sum's gradient passed between the kernels; it was 18 with an aten add accumulating it between them).
+    ("sandwich-infer", SINGLE_TILE): 1.0,
+    ("sandwich-fwd", SINGLE_TILE): 1.0,
+    ("sandwich-bwd", SINGLE_TILE): 14 / 12,
 }
 TOLERANCE = 0.01
 # Rows of the smaller run: 4 one-row tiles give the backward its 3 interpreter programs at both row counts.

@@ -725,9 +725,10 @@ def test_custom_ops_pass_torch_library_opcheck(with_residual):
     s = _randn(3, 40, dtype=torch.bfloat16, seed=49)
     stats = MODES["llama"].pack_stats(torch.rand(3, device=DEVICE) + 0.5, None)  # as a forward saves them
     dy = _randn(3, 40, dtype=torch.float32, seed=50)
+    dsum = _randn(3, 40, dtype=torch.bfloat16, seed=55) if with_residual else None
     torch.library.opcheck(
         torch.ops.hf_rmsnorm.norm_bwd,
-        (dy, None, s, stats, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32),
+        (dy, dsum, s, stats, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32, with_residual),
     )
 
 

@@ -262,7 +262,8 @@ def _backward_args(dtype: torch.dtype, case: Case | None = None) -> dict:
             "norm_input": _t(ROWS, HIDDEN, dtype=dtype, seed=8),
             "stats": MODES["llama"].pack_stats(_t(ROWS, dtype=torch.float32, seed=9).abs() + 0.5, None),
             "weight": _t(HIDDEN, dtype=dtype, seed=10),
-            "bias_dtype": None, "mode": "llama", "dx_dtype": dtype, "dres_dtype": None}
+            "bias_dtype": None, "mode": "llama", "dx_dtype": dtype, "dres_dtype": None,
+            "round_before_dsum": False}
     return args if case is None else {**args, **case.changes(dtype)}
 
 
