@@ -245,7 +245,8 @@ SECTIONS: tuple[Section, ...] = (
             ("kernels-qk.json",)),
     # A sandwich layer's norm, add and next norm in one launch (norm_add_norm) against the two launches before it and
     # Gemma 3's eager modules, at Gemma 3 4B's and 27B's widths: decode (launch-bound) and 16384 rows (bandwidth).
-    # Forward only: the operator's backward is the two ops' backward kernels, which kernels-bf16 already times.
+    # Forward only: the operator's backward is the norm backward kernel twice (the first with the sum's other
+    # gradient folded in, as a fused add's backward: bwd+dsum), which kernels-bf16 already times.
     _bench("kernels-sandwich", "third", "sandwich norm + add + norm bandwidth (norm_add_norm against rms_norm_add "
            "then rms_norm and Gemma 3's eager modules), Gemma mode, bf16, 1 and 16384 rows, hidden 2560 and 5376, "
            "forward", 45, "bf16", "1 16384", "2560 5376", "hf_sandwich hf_sandwich_2launch hf_eager_sandwich", "fwd"),
