@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from derived_toys import HIDDEN, states
+from derived_toys import HIDDEN, states, toy_model
 from patch_models import patch_unfused
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -112,18 +112,8 @@ REFUSED = {
 }
 
 
-def _model(block: type, dtype: torch.dtype = torch.float32) -> ToyBlockModel:
-    torch.manual_seed(0)
-    model = ToyBlockModel(block)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.5)  # trained-like
-    return model.to(dtype).eval()
-
-
 def _fused_and_unfused(block: type, monkeypatch, dtype: torch.dtype = torch.float32):
-    model = _model(block, dtype)
+    model = toy_model(block, dtype, ToyBlockModel)
     fused, unfused = copy.deepcopy(model), copy.deepcopy(model)
     report = patch_model(fused)
     patch_unfused(unfused, monkeypatch)

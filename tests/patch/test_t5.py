@@ -280,3 +280,18 @@ def test_generate_with_cache_and_unpatch_restore_t5():
     assert {name: type(m) for name, m in model.named_modules()} == classes
     assert not [name for name, m in model.named_modules() if any(k.startswith("_hf_rmsnorm") for k in vars(m))]
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_a_sublayer_norm_replaced_after_patching_gets_the_plain_calls(monkeypatch):
+    """A norm put in a sublayer after patching (PEFT's ``modules_to_save`` wraps one so): the handoff into it is
+    not made, the others are, and the results are those of the unfused patch with the same replacement."""
+    ids = input_ids()
+    _, fused, unfused = _fused_and_unfused("t5", torch.float32, monkeypatch)
+    for m in (fused, unfused):
+        sublayer = m.encoder.block[0].layer[1]
+        replacement = type(sublayer.layer_norm).__mro__[1](m.config.d_model)  # the original class
+        replacement.load_state_dict(sublayer.layer_norm.state_dict())
+        sublayer.layer_norm = replacement
+    with torch.no_grad():
+        assert residual_census.fused_adds(fused, _seq2seq_run(ids)) == ADDS - 1
+        assert torch.equal(_seq2seq_run(ids)(fused).logits, _seq2seq_run(ids)(unfused).logits)
