@@ -91,11 +91,12 @@ class BlockSite:
 
 @dataclass(frozen=True)
 class BlockCode:
-    """What a block's forward says: its sublayer calls in source order, and whether it returns ``h`` first in a
-    tuple."""
+    """What a block's forward says: its sublayer calls in source order, whether it returns ``h`` first in a tuple,
+    and why the calls cannot hand on (None: they can)."""
 
     sites: tuple[BlockSite, ...]
     returns_tuple: bool
+    problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,9 @@ class DerivedBlockKind:
         return bool(self.links)
 
 
-def block_code(cls: type) -> BlockCode | str | None:
-    """The sublayer calls of ``cls``'s forward (module docstring); None where it has none (no block), or why a
-    forward calling sublayers is not of the form read."""
+def block_code(cls: type) -> BlockCode | None:
+    """The sublayer calls of ``cls``'s forward (module docstring), with why they are not of the form read if they
+    are not; None where it has none (no block)."""
     forward = derived_source.class_forward(cls)
     if isinstance(forward, str) or signature_problem(forward.node) is not None:
         return None
@@ -137,8 +138,8 @@ def block_code(cls: type) -> BlockCode | str | None:
     reading.read(function.body, top=True)
     if not reading.sites:
         return None
-    return reading.problem(plain_locals(forward.undecorated.__code__, function)) or BlockCode(
-        tuple(site for _, site in reading.sites), reading.returns_tuple)
+    problem = reading.problem(plain_locals(forward.undecorated.__code__, function))
+    return BlockCode(tuple(site for _, site in reading.sites), reading.returns_tuple, problem)
 
 
 class _Reading:

@@ -227,7 +227,7 @@ def fused_block_forward(base: type, kind: DerivedBlockKind) -> Callable[..., obj
     forward = _class_forward(base)
     function = forward.node
     code = derived_blocks.block_code(base)
-    if not isinstance(code, derived_blocks.BlockCode) or code.sites != kind.sites:
+    if code is None or code.problem is not None or code.sites != kind.sites:
         raise ValueError(f"{base.__qualname__}.forward no longer calls {', '.join(s.text for s in kind.sites)} "
                          "in the form read when patching")
     call_param = ast.Name(handoff.CALL_PARAM, ast.Load())

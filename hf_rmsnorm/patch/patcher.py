@@ -429,7 +429,7 @@ def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Mod
     names = {name: (module, role) for name, module, role in plan.modules}
     candidates = dict.fromkeys(name.rsplit(".", depth)[0] for name, _ in layers.values()
                                for depth in (1, 2) if name.count(".") >= depth)
-    codes: dict[type, derived_blocks.BlockCode | str | None] = {}
+    codes: dict[type, derived_blocks.BlockCode | None] = {}
     for name in candidates:
         block, role = names[name]
         if block in layers or not may_derive(role):
@@ -438,9 +438,10 @@ def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Mod
         if cls not in codes:
             codes[cls] = derived_blocks.block_code(cls)
         code = codes[cls]
-        if code is None:
+        # A block is told about only where two of its calls reach planned layers: a handoff between them was asked.
+        if code is None or len({m for site in code.sites if (m := site.module(block)) in layers}) < 2:
             continue
-        problem = code if isinstance(code, str) else plan.class_problem(cls) or instance_problem(block)
+        problem = code.problem or plan.class_problem(cls) or instance_problem(block)
         if problem is None:
             kind, links = _block_kind(block, code, layers, norms)
             if kind is None:
