@@ -214,25 +214,25 @@ def call_layer(stack: nn.Module, layer: nn.Module, next_layer: nn.Module | None,
     link = getattr(stack, LINKS_ATTR, {}).get(layer)
     consumer = next_layer if next_layer is not None else (link.norm if link is not None and feeds_final_norm else None)
     if link is None or link.consumer is not consumer or not args or foreign_code(layer, link, args[0]):
-        link = None
-    return _linked_call(layer, link, handed, args, kwargs)
+        return _linked_call(layer, None, None, handed, args, kwargs)
+    return _linked_call(layer, link.consumer, link.norm, handed, args, kwargs)
 
 
-def _linked_call(layer: nn.Module, link: NextNorm | None, handed: tuple[nn.Module, Tensor] | None, args: tuple,
-                 kwargs: dict):
+def _linked_call(layer: nn.Module, consumer: nn.Module | None, norm: nn.Module | None,
+                 handed: tuple[nn.Module, Tensor] | None, args: tuple, kwargs: dict):
     """``(layer(*args, **kwargs), (consumer, normed sum) or None)``: ``layer`` receiving what ``handed`` made for
-    it, and handing its output sum to ``link`` (checked by the caller), if any."""
+    it, and handing its output sum to ``norm`` for ``consumer`` (checked by the caller), if any."""
     receives = handed is not None and handed[0] is layer and bool(args)
-    if link is None and not receives:
+    if norm is None and not receives:
         return layer(*args, **kwargs), None
     if receives:
         args = (*args, handed[1])
-    output = layer(*args, **{KWARG: (None if link is None else link.norm, receives)}, **kwargs)
-    if link is None:
+    output = layer(*args, **{KWARG: (norm, receives)}, **kwargs)
+    if norm is None:
         return output, None
     *output, normed = output
     output = tuple(output) if type(layer)._hf_rmsnorm_kind.returns_tuple else output[0]
-    return output, None if normed is None else (link.consumer, normed)
+    return output, None if normed is None else (consumer, normed)
 
 
 @dataclass(frozen=True)
@@ -269,18 +269,18 @@ def call_sublayer(block: nn.Module, call: LayerCall | None, handed: tuple[nn.Mod
     handed on; the last call hands its sum to the norm the block's own call was asked to hand on to
     (``call.next_norm``), setting ``call.normed_output``."""
     links = getattr(block, BLOCK_LINKS_ATTR, None)
-    if links is None or site >= len(links.sites) or not args:
-        return _linked_call(layer, None, handed, args, kwargs)
+    if links is None:
+        return _linked_call(layer, None, None, handed, args, kwargs)
     if site < links.last:
         link = links.sites[site]
-        if link is not None and foreign_code(layer, link, args[0]):
-            link = None
-        return _linked_call(layer, link, handed, args, kwargs)
+        if link is None or foreign_code(layer, link, args[0]):
+            return _linked_call(layer, None, None, handed, args, kwargs)
+        return _linked_call(layer, link.consumer, link.norm, handed, args, kwargs)
+    # The last call: the stack checked the block and the norm; the sublayer is checked as a handing layer is.
     norm = None if call is None else call.next_norm
-    link = None
-    if norm is not None and not _hands_on_watched(layer, norm, args[0]):
-        link = NextNorm(norm, norm, block, "")
-    output, handing = _linked_call(layer, link, handed, args, kwargs)
+    if norm is not None and _hands_on_watched(layer, norm, args[0]):
+        norm = None
+    output, handing = _linked_call(layer, norm, norm, handed, args, kwargs)
     if handing is not None:
         call.hand_on(handing[1], output[0] if type(layer)._hf_rmsnorm_kind.returns_tuple else output)
     return output, None

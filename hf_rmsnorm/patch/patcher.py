@@ -443,9 +443,10 @@ def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Mod
             continue
         problem = code.problem or plan.class_problem(cls) or instance_problem(block)
         if problem is None:
-            kind, links = _block_kind(block, code, layers, norms)
-            if kind is None:
+            planned = _block_kind(block, code, layers, norms)
+            if planned is None:
                 continue
+            kind, links = planned
             try:
                 fused.fused_class(cls, kind)
             except Exception as exc:  # what the derived source cannot compile or decorate is left alone
@@ -463,9 +464,10 @@ def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Mod
 
 
 def _block_kind(block: nn.Module, code: derived_blocks.BlockCode, layers: dict[nn.Module, tuple[str, object]],
-                norms: dict[nn.Module, str]) -> tuple[derived_blocks.DerivedBlockKind | None, BlockLinks]:
+                norms: dict[nn.Module, str]) -> tuple[derived_blocks.DerivedBlockKind, BlockLinks] | None:
     """The kind of ``block`` and its links: call ``i`` hands on to call ``i + 1`` where both reach planned layers
-    (two different ones) that hand off and receive into a patched norm (None: the block is no layer at all)."""
+    (two different ones) that hand off and receive into a patched norm; None where nothing would be handed on,
+    inside the block or across it."""
     modules = [site.module(block) for site in code.sites]
     kinds = [layers[m][1] if m in layers else None for m in modules]
     links: list[NextNorm | None] = []
@@ -482,7 +484,7 @@ def _block_kind(block: nn.Module, code: derived_blocks.BlockCode, layers: dict[n
     input_norm = f"{_item_path(block, code.sites[0].path)}.{kinds[0].input_norm}" if first else None
     hands = kinds[-1] is not None and kinds[-1].hands_off_last_add
     if not any(links) and input_norm is None and not hands:
-        return None, BlockLinks(None, ())
+        return None
     kind = derived_blocks.DerivedBlockKind(
         _class_path(type(block)), code.sites, tuple(i for i, link in enumerate(links) if link is not None),
         input_norm, hands, code.returns_tuple)
