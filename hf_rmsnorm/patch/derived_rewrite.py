@@ -14,12 +14,13 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from . import derived_runtime, derived_source, handoff
+from . import derived_blocks, derived_runtime, derived_source, handoff
+from .derived_blocks import DerivedBlockKind
 from .derived_loops import StackLoop, stack_layout, stack_loops
 from .derived_sites import (
     AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, OutputPlan, analysed, signature_problem,
 )
-from .derived_syntax import located, self_name
+from .derived_syntax import compares_reads, located, self_name
 
 # The local a ``before`` rewrite keeps the normed sum in until its consumer ran (then deleted: it is freed as the
 # original's temporary is).
@@ -193,6 +194,76 @@ def _rewrite_loop(loop: StackLoop, self_name_: str, feeds_final_norm: bool) -> N
     target = loop.call.targets[0]
     loop.call.targets = [located(ast.Tuple([target, ast.Name(_HANDED, ast.Store())], ast.Store()), target)]
     loop.block.insert(next(i for i, s in enumerate(loop.block) if s is statement), located(_handed_reset(), statement))
+
+
+def fused_block_forward(base: type, kind: DerivedBlockKind) -> Callable[..., object]:
+    """``base.forward`` (a block forward of ``derived_blocks``' form) with each sublayer call made through
+    ``handoff.call_sublayer``, taking the ``handoff.LayerCall`` as the keyword ``handoff.CALL_PARAM``; decorated as
+    the original is::
+
+        h, a = self.layer[0](h, m)
+        if h.dtype == torch.float16:
+            h = clamp(h)
+        h = self.layer[-1](h)
+        return h, a
+
+    becomes::
+
+        _hf_rmsnorm_handed = _hf_rmsnorm_derived.block_input(self, _hf_rmsnorm_call)
+        (h, a), _hf_rmsnorm_handed = _hf_rmsnorm_derived.call_sublayer(
+            self, _hf_rmsnorm_call, _hf_rmsnorm_handed, 0, self.layer[0], h, m)
+        if h.dtype == torch.float16:
+            _hf_rmsnorm_handed = None
+            h = clamp(h)
+        h, _hf_rmsnorm_handed = _hf_rmsnorm_derived.call_sublayer(
+            self, _hf_rmsnorm_call, _hf_rmsnorm_handed, 1, self.layer[-1], h)
+        return h, a
+
+    (the ``if`` after the last call withdraws the block's handoff instead: ``withdraw(_hf_rmsnorm_call)``).
+
+    Raises:
+        ValueError: the source cannot be derived from, or its sublayer calls are not ``kind``'s (any more).
+    """
+    forward = _class_forward(base)
+    function = forward.node
+    code = derived_blocks.block_code(base)
+    if code is None or code.problem is not None or code.sites != kind.sites:
+        raise ValueError(f"{base.__qualname__}.forward no longer calls {', '.join(s.text for s in kind.sites)} "
+                         "in the form read when patching")
+    call_param = ast.Name(handoff.CALL_PARAM, ast.Load())
+    for statement, after_last in derived_blocks.resets(function, code):
+        # After the last call the block withdraws what it hands on; before, what a sublayer handed on is dropped.
+        def reset() -> ast.stmt:
+            return ast.Expr(_helper_call("withdraw", call_param)) if after_last else _handed_reset()
+
+        if compares_reads(statement.test):
+            branches = (statement.body, statement.orelse)
+        else:  # ``A and B``: dropped once the comparison ``A`` is true, before ``B`` runs (an expression: True)
+            dropping = reset().value
+            if not after_last:
+                dropping = ast.NamedExpr(ast.Name(_HANDED, ast.Store()), dropping)
+            first = statement.test.values[0]
+            statement.test.values.insert(1, located(ast.Compare(dropping, [ast.Is()], [ast.Constant(None)]), first))
+            branches = (statement.orelse,)
+        for branch in branches:
+            if branch:
+                branch.insert(0, located(reset(), branch[0]))
+    for index, statement in enumerate(derived_blocks.site_calls(function)):
+        call = statement.value
+        statement.value = located(_helper_call(
+            "call_sublayer", ast.Name(self_name(function), ast.Load()), call_param, ast.Name(_HANDED, ast.Load()),
+            ast.Constant(index), call.func, *call.args), call)
+        statement.value.keywords = call.keywords
+        target = statement.targets[0]
+        statement.targets = [located(ast.Tuple([target, ast.Name(_HANDED, ast.Store())], ast.Store()), target)]
+    body = function.body
+    has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    entry = ast.Assign([ast.Name(_HANDED, ast.Store())],
+                       _helper_call("block_input", ast.Name(self_name(function), ast.Load()), call_param))
+    body.insert(int(has_docstring), located(entry, body[int(has_docstring)]))
+    function.args.kwonlyargs.append(located(ast.arg(handoff.CALL_PARAM), function))
+    function.args.kw_defaults.append(located(ast.Constant(None), function))
+    return derived_source.compile_forward(forward, function, derived_runtime)
 
 
 def _handed_reset() -> ast.Assign:

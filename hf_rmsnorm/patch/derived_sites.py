@@ -11,14 +11,19 @@ The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, call
                         ->  pass; normed, s = norm_add_norm(F, e, r, F2); [r2 = s]; ... normed ...
     layer output:   s = a + b; return s  (return s, ...)  ->  s = stream_sum(call, a, b); return s
                     return a + b                          ->  return stream_sum(call, a, b)
+                    s = a + b; o = (s, ...) + rest; return o  (or return (s, ...) + rest)
+                                                          ->  s = stream_sum(call, a, b); ...
                     s = a + b; if T: B; return s          ->  s = stream_sum(call, a, b); if T: withdraw(call); B;
                                                               return s
     input norm:     ... F(x) ...  (x the input, or x.to(...)) ->  ... input_norm(call, F, x, x) ...
 
 The output pattern also matches an add ending an ``if`` branch followed by the ``return``, and an add followed by
 an ``if`` whose test ``T`` only reads and compares (mBART's ``if hidden_states.dtype == torch.float16:``, whose
-branch clamps the sum), then the ``return``; the input norm is the
-norm applied to the input before anything else reads it, in each branch of an ``if`` alike. ``call`` is the
+branch clamps the sum), then the ``return``, and a sum returned first in a tuple built by ``(s, ...) + rest``
+(UMT5's and LongT5's sublayers append their attention outputs so: the other items and ``rest`` only read, and
+``handoff.run_layer`` checks at every call that the tuple returned begins with the sum). An add of a tuple or list
+display is a concatenation, never an output add. The input norm is the norm applied to the input before anything
+else reads it, in each branch of an ``if`` alike. ``call`` is the
 ``handoff.LayerCall`` the derived forward takes as the keyword-only ``handoff.CALL_PARAM``; the helpers are
 ``derived_runtime``'s, and each checks at every call that its kernel computes what the expression does (a patched
 norm no hook watches, two tensors of one shape, type and device), else evaluates the original expression.
@@ -537,6 +542,8 @@ class _Analysis:
         elif (found := summed(statement)) is not None:
             total, add = found
             in_tuple = _returns(statements[i + 1] if i + 1 < len(statements) else after, total)
+            if in_tuple is None and i + 2 < len(statements) and _prepends(statements[i + 1], total) is not None:
+                in_tuple = True if _returns(statements[i + 2], assigned_name(statements[i + 1])) is False else None
             if in_tuple is None and i + 1 < len(statements):  # s = a + b; if <test>: ...; return s
                 branching = statements[i + 1]
                 if isinstance(branching, ast.If) and compares_reads(branching.test):
@@ -546,6 +553,8 @@ class _Analysis:
                 return 0
         else:
             return 0
+        if any(isinstance(operand, (ast.Tuple, ast.List)) for operand in (add.left, add.right)):
+            return 0  # a concatenation of sequences, no tensor add
         site = AddSite("output", (), add.lineno, in_tuple)
         if "try" in enclosing:  # invariant 5
             return self._refuse(site, "it sits in a try block, whose finally could return something else")
@@ -563,14 +572,30 @@ class _Analysis:
 
 
 def _returns(statement: ast.stmt | None, name: str) -> bool | None:
-    """Whether ``statement`` is ``return name, ...`` (True: the stack takes the first item), ``return name``
-    (False), or neither (None)."""
+    """Whether ``statement`` is ``return name, ...`` or ``return (name, ...) + rest`` (True: the stack takes the
+    first item), ``return name`` (False), or neither (None)."""
     if not isinstance(statement, ast.Return):
         return None
+    if _prepends(ast.Assign([], statement.value), name) is not None:
+        return True
     value, in_tuple = statement.value, isinstance(statement.value, ast.Tuple)
     if in_tuple and value.elts:
         value = value.elts[0]
     return in_tuple if isinstance(value, ast.Name) and value.id == name else None
+
+
+def _prepends(statement: ast.stmt, name: str) -> ast.expr | None:
+    """``rest`` for ``o = (name, ...) + rest`` (or the value ``(name, ...) + rest`` of a ``return``), where the
+    other items and ``rest`` only read and name ``name`` nowhere: a tuple whose first item is the sum (UMT5's and
+    LongT5's sublayers append their attention outputs so); None for anything else."""
+    value = getattr(statement, "value", None)
+    if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.left, ast.Tuple)
+            and value.left.elts and isinstance(value.left.elts[0], ast.Name) and value.left.elts[0].id == name):
+        return None
+    others = [*value.left.elts[1:], value.right]
+    if statement.targets and assigned_name(statement) is None:
+        return None
+    return value.right if all(reads_only(e) and not named(e, name) for e in others) else None
 
 
 # ------------------------------------------------------------------------------------- the first read

@@ -23,14 +23,17 @@ from torch import Tensor, nn
 
 from ..ops.functional import BoundNorm, bound_norm
 from . import derived_rewrite, handoff, qk_attention, qk_runtime
+from .derived_blocks import DerivedBlockKind
 from .derived_sites import DerivedLayerKind
 from .families import LayerKind, NormKind, StackKind
 from .qk_attention import QKAttentionKind
 
-_FUSED: dict[tuple[type, NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind], type] = {}
+# Every kind a module is patched by.
+Kind = NormKind | LayerKind | DerivedLayerKind | DerivedBlockKind | StackKind | QKAttentionKind
+_FUSED: dict[tuple[type, Kind], type] = {}
 
 
-def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind) -> type:
+def fused_class(base: type, kind: Kind) -> type:
     """The fused subclass of ``base`` for ``kind``, created once per pair."""
     cls = _FUSED.get((base, kind))
     if cls is None:
@@ -71,6 +74,8 @@ def fused_class(base: type, kind: NormKind | LayerKind | DerivedLayerKind | Stac
             namespace["_hf_rmsnorm_checked_forward"] = staticmethod(base.forward)
             if isinstance(kind, DerivedLayerKind):
                 namespace["_hf_rmsnorm_body"] = staticmethod(derived_rewrite.fused_forward(base, kind))
+            elif isinstance(kind, DerivedBlockKind):
+                namespace["_hf_rmsnorm_body"] = staticmethod(derived_rewrite.fused_block_forward(base, kind))
             else:
                 namespace["_hf_rmsnorm_body"] = staticmethod(kind.shape.body)
                 # The original's own argument names (the cache one changed across transformers releases):
@@ -155,7 +160,7 @@ def _reduce_ex(self, protocol):
     return _new_fused, (cls._hf_rmsnorm_base, cls._hf_rmsnorm_kind), self.__getstate__()
 
 
-def _new_fused(base: type, kind: NormKind | LayerKind | DerivedLayerKind | StackKind | QKAttentionKind) -> nn.Module:
+def _new_fused(base: type, kind: Kind) -> nn.Module:
     cls = fused_class(base, kind)
     return cls.__new__(cls)
 

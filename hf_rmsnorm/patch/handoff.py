@@ -19,6 +19,16 @@ The fused layer's class forward (``fused.py``) takes the keyword and the argumen
 passes the body one ``LayerCall``: what it received and, once its last add ran, the normed sum to return. Nothing
 else carries a value from one call to another: what a layer computes depends on its arguments alone.
 
+A block of sublayers (``derived_blocks.py``: T5's ``T5Block`` calling its self-attention, cross-attention and
+feed-forward sublayers) is a layer of its stack's loop like any other, and inside it the same handoff runs between
+its sublayer calls: its forward, derived from its own, calls each sublayer through ``call_sublayer`` with the
+block's ``BlockLinks`` (planned with the stack's links): call ``i`` hands its sum to call ``i + 1``'s sublayer as
+the loop hands layer ``i``'s to layer ``i + 1``, checked by ``foreign_code`` alike; the first call receives what
+the stack handed the block (``block_input``: the stack checked the block and the norm, the block checks its first
+sublayer's hooks), and the last call hands its sum to the norm the stack asked the block to hand on to (the
+stack checked the block and that norm; ``call_sublayer`` checks the last sublayer as ``foreign_code`` checks a
+handing layer).
+
 Why this computes the unpatched function, and its gradients, exactly:
 
 * The sum is the add the layer's code does, computed by the kernel that also normalises it; the kernel's norm is
@@ -28,7 +38,8 @@ Why this computes the unpatched function, and its gradients, exactly:
   recorders, which record ``output[0]`` of a tuple, the first item kept at its place) see the unpatched hidden
   states. A normed sum is taken only by the module it was made for (the loop checks the consumer's identity) and
   only from the same sum's dtype, device and shape (a ``.to(...)`` the code applies first changes none of its
-  values then).
+  values then); it is handed on only when the layer returns that very sum, or a tuple beginning with it
+  (``run_layer`` checks the identity at every call).
 * Whatever else could see or change the hidden state between the two modules makes the loop call both plainly
   (``foreign_code``): a forward hook, pre-hook or backward hook (module or global) on the layer, the next layer or
   the norm, other than transformers' read-only output recorders and the conversion's own centring pre-hook on a
@@ -68,6 +79,8 @@ KWARG = "_hf_rmsnorm_handoff"
 CALL_PARAM = "_hf_rmsnorm_call"
 # Instance attribute of a patched stack: layer -> NextNorm.
 LINKS_ATTR = "_hf_rmsnorm_links"
+# Instance attribute of a patched block of sublayers: its ``BlockLinks``.
+BLOCK_LINKS_ATTR = "_hf_rmsnorm_block_links"
 
 
 @dataclass
@@ -86,14 +99,20 @@ class NextNorm:
 class LayerCall:
     """What one call of a fused layer's body gets from the loop: ``normed_input``, the normed sum its input norm
     returns (None: it normalises its input itself); ``next_norm``, the norm its last add goes into (None: a plain
-    add); ``normed_output``, set by that add to the normed sum it hands on."""
+    add); ``normed_output``, set by that add to the normed sum it hands on, and ``sum`` to the sum it is the norm
+    of (handed on only when the layer returns that very tensor: ``run_layer``)."""
 
-    __slots__ = ("normed_input", "next_norm", "normed_output")
+    __slots__ = ("normed_input", "next_norm", "normed_output", "sum")
 
     def __init__(self, normed_input: Tensor | None, next_norm: nn.Module | None) -> None:
         self.normed_input = normed_input
         self.next_norm = next_norm
         self.normed_output: Tensor | None = None
+        self.sum: Tensor | None = None
+
+    def hand_on(self, normed: Tensor, total: Tensor) -> None:
+        """Records the normed sum to hand on, and the sum it is the norm of."""
+        self.normed_output, self.sum = normed, total
 
 
 def run_layer(body, layer: nn.Module, args: tuple, kwargs: dict):
@@ -108,9 +127,13 @@ def run_layer(body, layer: nn.Module, args: tuple, kwargs: dict):
     output = body(layer, *(args[:-1] if receives else args), **{CALL_PARAM: call}, **kwargs)
     if next_norm is None:
         return output
-    if type(layer)._hf_rmsnorm_kind.returns_tuple:
-        return (*output, call.normed_output)
-    return output, call.normed_output
+    # What the layer returns is, or begins with, the sum whose norm it hands on (its code was read so when
+    # patching; checked here, the sum's identity, for a form such as ``(s,) + rest`` whose result a type's own
+    # ``__radd__`` would decide): else it hands nothing on.
+    returns_tuple = type(layer)._hf_rmsnorm_kind.returns_tuple
+    first = output[0] if returns_tuple and isinstance(output, tuple) and output else output
+    normed = call.normed_output if call.sum is not None and first is call.sum else None
+    return (*output, normed) if returns_tuple else (output, normed)
 
 
 def input_norm(call: LayerCall | None, norm: nn.Module, argument: Tensor, hidden_states: Tensor) -> Tensor:
@@ -145,7 +168,7 @@ def add_residual(call: LayerCall | None, branch: Tensor, residual: Tensor) -> Te
     if norm is None or not kernel_adds(branch, residual) or (fused_norm := guard.unwatched_call(norm)) is None:
         return residual + branch
     normed, total = fused_norm(branch, residual=residual)
-    call.normed_output = normed
+    call.hand_on(normed, total)
     return total
 
 
@@ -159,7 +182,7 @@ def add_normed_residual(call: LayerCall | None, norm: nn.Module, x: Tensor, resi
     if next_norm is None or not kernel_adds(x, residual) or not sandwich.chains(norm, next_norm):
         return None
     normed, total = sandwich.fused_pair(norm, x, residual, next_norm)
-    call.normed_output = normed
+    call.hand_on(normed, total)
     return total
 
 
@@ -173,7 +196,7 @@ def kernel_adds(a: object, b: object) -> bool:
 def withdraw(call: LayerCall | None) -> None:
     """Hands nothing on after all: code after the layer's output add may change the sum (``derived_sites``)."""
     if call is not None:
-        call.normed_output = None
+        call.normed_output = call.sum = None
 
 
 def layers_with_next(layers) -> list[tuple[nn.Module, nn.Module | None]]:
@@ -188,21 +211,79 @@ def call_layer(stack: nn.Module, layer: nn.Module, next_layer: nn.Module | None,
     (consumer, normed sum) or None)``. ``handed`` is what the previous iteration handed on; ``next_layer`` the
     layer the loop calls next, None after the last, whose output goes to the final norm when
     ``feeds_final_norm`` (module docstring)."""
-    receives = handed is not None and handed[0] is layer and bool(args)
     link = getattr(stack, LINKS_ATTR, {}).get(layer)
     consumer = next_layer if next_layer is not None else (link.norm if link is not None and feeds_final_norm else None)
     if link is None or link.consumer is not consumer or not args or foreign_code(layer, link, args[0]):
-        link = None
-    if link is None and not receives:
+        return _linked_call(layer, None, None, handed, args, kwargs)
+    return _linked_call(layer, link.consumer, link.norm, handed, args, kwargs)
+
+
+def _linked_call(layer: nn.Module, consumer: nn.Module | None, norm: nn.Module | None,
+                 handed: tuple[nn.Module, Tensor] | None, args: tuple, kwargs: dict):
+    """``(layer(*args, **kwargs), (consumer, normed sum) or None)``: ``layer`` receiving what ``handed`` made for
+    it, and handing its output sum to ``norm`` for ``consumer`` (checked by the caller), if any."""
+    receives = handed is not None and handed[0] is layer and bool(args)
+    if norm is None and not receives:
         return layer(*args, **kwargs), None
     if receives:
         args = (*args, handed[1])
-    output = layer(*args, **{KWARG: (None if link is None else link.norm, receives)}, **kwargs)
-    if link is None:
+    output = layer(*args, **{KWARG: (norm, receives)}, **kwargs)
+    if norm is None:
         return output, None
     *output, normed = output
     output = tuple(output) if type(layer)._hf_rmsnorm_kind.returns_tuple else output[0]
-    return output, None if normed is None else (link.consumer, normed)
+    return output, None if normed is None else (consumer, normed)
+
+
+@dataclass(frozen=True)
+class BlockLinks:
+    """A patched block's links (``derived_blocks.py``), the instance attribute ``BLOCK_LINKS_ATTR``: ``first``,
+    the sublayer its first call reaches (which takes the normed input handed to the block; None: the block takes
+    none); ``sites``, per sublayer call, where its output sum goes (``NextNorm``: the next call's sublayer), or
+    None; ``last``, the index of the last call, whose sum goes to the norm the block's own call hands on to."""
+
+    first: nn.Module | None
+    sites: tuple[NextNorm | None, ...]
+
+    @property
+    def last(self) -> int:
+        return len(self.sites) - 1
+
+
+def block_input(block: nn.Module, call: LayerCall | None) -> tuple[nn.Module, Tensor] | None:
+    """What a block hands its first sublayer call: the normed input the stack handed the block, made for the
+    first sublayer's input norm (the stack's link checked that norm, and the block, before calling it)."""
+    links = getattr(block, BLOCK_LINKS_ATTR, None)
+    if call is None or call.normed_input is None or links is None or links.first is None:
+        return None
+    first = links.first
+    if not _fused_layer(first) or guard.watched(first, guard.is_output_recorder):
+        return None
+    return first, call.normed_input
+
+
+def call_sublayer(block: nn.Module, call: LayerCall | None, handed: tuple[nn.Module, Tensor] | None, site: int,
+                  layer: nn.Module, /, *args, **kwargs):
+    """``layer(*args, **kwargs)`` as the sublayer call ``site`` of ``block``'s forward, and what it hands on:
+    ``(output, (consumer, normed sum) or None)``. ``handed`` is what the block's input or the previous call
+    handed on; the last call hands its sum to the norm the block's own call was asked to hand on to
+    (``call.next_norm``), setting ``call.normed_output``."""
+    links = getattr(block, BLOCK_LINKS_ATTR, None)
+    if links is None:
+        return _linked_call(layer, None, None, handed, args, kwargs)
+    if site < links.last:
+        link = links.sites[site]
+        if link is None or foreign_code(layer, link, args[0]):
+            return _linked_call(layer, None, None, handed, args, kwargs)
+        return _linked_call(layer, link.consumer, link.norm, handed, args, kwargs)
+    # The last call: the stack checked the block and the norm; the sublayer is checked as a handing layer is.
+    norm = None if call is None else call.next_norm
+    if norm is not None and _hands_on_watched(layer, norm, args[0]):
+        norm = None
+    output, handing = _linked_call(layer, norm, norm, handed, args, kwargs)
+    if handing is not None:
+        call.hand_on(handing[1], output[0] if type(layer)._hf_rmsnorm_kind.returns_tuple else output)
+    return output, None
 
 
 def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> bool:
@@ -210,14 +291,20 @@ def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> boo
     ``link``'s norm, or would see the private arguments (module docstring): then the loop makes the plain calls.
     Hooks are ``guard.watched``'s to judge, the one guard of every fused site."""
     norm, consumer = link.norm, link.consumer
-    if link.parent._modules.get(link.attribute) is not norm or "_hf_hook" in norm.__dict__:
+    if link.parent._modules.get(link.attribute) is not norm or _hands_on_watched(layer, norm, hidden_states):
+        return True
+    return consumer is not norm and (not _fused_layer(consumer) or guard.watched(consumer, guard.is_output_recorder))
+
+
+def _hands_on_watched(layer: nn.Module, norm: nn.Module, hidden_states: Tensor) -> bool:
+    """``foreign_code``'s checks of the handing layer and the norm: an accelerate hook or another device on the
+    norm, a hook on either, a layer no longer the fused class as installed."""
+    if "_hf_hook" in norm.__dict__:
         return True
     weight = getattr(norm, "weight", None)
     if isinstance(weight, Tensor) and weight.device != hidden_states.device:
         return True
-    if guard.watched(norm) or not _fused_layer(layer) or guard.watched(layer, _seen_alike_by_handing_layer):
-        return True
-    return consumer is not norm and (not _fused_layer(consumer) or guard.watched(consumer, guard.is_output_recorder))
+    return guard.watched(norm) or not _fused_layer(layer) or guard.watched(layer, _seen_alike_by_handing_layer)
 
 
 def _fused_layer(module: nn.Module) -> bool:

@@ -16,11 +16,11 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import backend
-from . import derived_loops, derived_sites, derived_source, fused, qk_attention
+from . import derived_blocks, derived_loops, derived_sites, derived_source, fused, qk_attention
 from .classify import Role, may_derive, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
-from .handoff import LINKS_ATTR, NextNorm
+from .handoff import BLOCK_LINKS_ATTR, LINKS_ATTR, BlockLinks, NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnsupportedModelError
@@ -281,6 +281,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     layers, unmatched = _plan_layers(layer_candidates, norms, plan)
     _plan_derived_layers(unknown_layers + unmatched, norms, layers, plan)
     _plan_qk_attention(norms, plan)
+    _plan_blocks(layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
     _report_unread_stacks(stacks, layers, plan)
     _unplan_layers_fusing_nothing(layers, plan)
@@ -421,6 +422,98 @@ def _plan_derived_layers(
             plan.report.fused_adds.append(f"{name}: {site.label} -> {norms[paths[site.norm]]}")
 
 
+def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Module, str], plan: _Plan) -> None:
+    """Plans the blocks whose forward calls planned sublayers one after the other (``derived_blocks.py``): each
+    sublayer's output add goes into the next sublayer's input norm, and the block becomes a layer of its stack's
+    loop (``layers``), receiving into its first sublayer's input norm and handing on its last sublayer's add."""
+    names = {name: (module, role) for name, module, role in plan.modules}
+    candidates = dict.fromkeys(name.rsplit(".", depth)[0] for name, _ in layers.values()
+                               for depth in (1, 2) if name.count(".") >= depth)
+    codes: dict[type, derived_blocks.BlockCode | None] = {}
+    for name in candidates:
+        block, role = names[name]
+        if block in layers or not may_derive(role):
+            continue
+        cls = type(block)
+        if cls not in codes:
+            codes[cls] = derived_blocks.block_code(cls)
+        code = codes[cls]
+        # A block is told about only where two of its calls reach planned layers: a handoff between them was asked.
+        if code is None or len({m for site in code.sites if (m := site.module(block)) in layers}) < 2:
+            continue
+        problem = code.problem or plan.class_problem(cls) or instance_problem(block)
+        if problem is None:
+            planned = _block_kind(block, code, layers, norms)
+            if planned is None:
+                continue
+            kind, links = planned
+            try:
+                fused.fused_class(cls, kind)
+            except Exception as exc:  # what the derived source cannot compile or decorate is left alone
+                problem = f"its derived forward failed to build ({type(exc).__name__}: {exc})"[:300]
+        if problem is not None:
+            plan.report.skipped.append((name, f"residual adds between sublayers not fused: {problem}"))
+            continue
+        layers[block] = (name, kind)
+        plan.swaps.append((block, kind))
+        plan.attrs.append((block, BLOCK_LINKS_ATTR, links))
+        for site, link in zip(code.sites, links.sites):
+            if link is not None:
+                sublayer_name, sublayer_kind = layers[site.module(block)]
+                plan.report.fused_adds.append(f"{sublayer_name}: {sublayer_kind.handoff_label} -> {norms[link.norm]}")
+
+
+def _block_kind(block: nn.Module, code: derived_blocks.BlockCode, layers: dict[nn.Module, tuple[str, object]],
+                norms: dict[nn.Module, str]) -> tuple[derived_blocks.DerivedBlockKind, BlockLinks] | None:
+    """The kind of ``block`` and its links: call ``i`` hands on to call ``i + 1`` where both reach planned layers
+    (two different ones) that hand off and receive into a patched norm; None where nothing would be handed on,
+    inside the block or across it."""
+    modules = [site.module(block) for site in code.sites]
+    kinds = [layers[m][1] if m in layers else None for m in modules]
+    links: list[NextNorm | None] = []
+    for i in range(len(modules) - 1):
+        sender, receiver = kinds[i], kinds[i + 1]
+        link = None
+        if (sender is not None and receiver is not None and modules[i] is not modules[i + 1]
+                and sender.hands_off_last_add and receiver.input_norm is not None):
+            link = _input_link(modules[i + 1], receiver.input_norm, norms)
+        links.append(link)
+    links.append(None)
+    first = kinds[0] is not None and kinds[0].input_norm is not None and _input_link(
+        modules[0], kinds[0].input_norm, norms) is not None
+    input_norm = f"{_item_path(block, code.sites[0].path)}.{kinds[0].input_norm}" if first else None
+    hands = kinds[-1] is not None and kinds[-1].hands_off_last_add
+    if not any(links) and input_norm is None and not hands:
+        return None
+    kind = derived_blocks.DerivedBlockKind(
+        _class_path(type(block)), code.sites, tuple(i for i, link in enumerate(links) if link is not None),
+        input_norm, hands, code.returns_tuple)
+    return kind, BlockLinks(modules[0] if first else None, tuple(links))
+
+
+def _item_path(block: nn.Module, path: tuple[str | int, ...]) -> str:
+    """``path`` as the dotted path ``getattr`` follows from ``block`` (a negative item index made positive)."""
+    steps, module = [], block
+    for step in path:
+        if isinstance(step, int):
+            step = step % len(module)
+            module = module[step]
+        else:
+            module = getattr(module, step)
+        steps.append(str(step))
+    return ".".join(steps)
+
+
+def _input_link(consumer: nn.Module, input_norm: str, norms: dict[nn.Module, str]) -> NextNorm | None:
+    """The link to ``consumer``'s input norm (the dotted path ``input_norm`` from it), if that is a patched
+    norm. A dotted path names a ModuleList item (``input_layernorm.0``) or a sublayer's norm: its parent is the
+    module before the last step."""
+    parent_path, _, attribute = input_norm.rpartition(".")
+    parent = _module_at(consumer, tuple(parent_path.split("."))) if parent_path else consumer
+    norm = getattr(parent, attribute, None)
+    return NextNorm(consumer, norm, parent, attribute) if norm in norms else None
+
+
 def _plan_qk_attention(norms: dict[nn.Module, str], plan: _Plan) -> None:
     """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``)."""
     candidates = [(name, module) for name, module, role in plan.modules if role is Role.OTHER]
@@ -529,14 +622,27 @@ def _report_unread_stacks(
 
 def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]], plan: _Plan) -> None:
     """Keeps the original class of a layer whose shape fuses no add inside it (a parallel block) when no stack
-    links it to a next norm either: patched, it would run its adds unfused all the same, and say nothing."""
+    links it to a next norm either: patched, it would run its adds unfused all the same, and say nothing. A block
+    of sublayers is judged first; a sublayer of a block kept stays (its block's forward calls it with what it
+    hands on or receives)."""
     linked = {layer for _, attr, links in plan.attrs if attr == LINKS_ATTR for layer in links}
+    blocks = [(block, name, kind) for block, (name, kind) in layers.items()
+              if isinstance(kind, derived_blocks.DerivedBlockKind)]
+    for block, name, kind in blocks:
+        if not kind.fuses_inside and block not in linked:
+            _unplan(block, name, kind, plan)
+            plan.attrs.remove(next(a for a in plan.attrs if a[0] is block and a[1] == BLOCK_LINKS_ATTR))
+        else:
+            linked.update(site.module(block) for site in kind.sites)
     for layer, (name, kind) in layers.items():
-        if not kind.fuses_inside and layer not in linked:
-            plan.swaps.remove((layer, kind))
-            plan.report.skipped.append((name, f"residual adds not fused: a {kind.block}'s add can only go "
-                                              "into the next norm's kernel, and no model forward of known code "
-                                              "runs this layer"))
+        if not kind.fuses_inside and layer not in linked and not isinstance(kind, derived_blocks.DerivedBlockKind):
+            _unplan(layer, name, kind, plan)
+
+
+def _unplan(layer: nn.Module, name: str, kind, plan: _Plan) -> None:
+    plan.swaps.remove((layer, kind))
+    plan.report.skipped.append((name, f"residual adds not fused: a {kind.block}'s add can only go into the next "
+                                      "norm's kernel, and no model forward of known code runs this layer"))
 
 
 def _stack_links(
@@ -557,14 +663,11 @@ def _stack_links(
             consumer = layer_list[i + 1]
             if consumer not in layers or layers[consumer][1].input_norm is None:
                 continue
-            # A dotted path names a ModuleList item (``input_layernorm.0``): its parent is the list.
-            parent_path, _, attribute = layers[consumer][1].input_norm.rpartition(".")
-            parent = _module_at(consumer, tuple(parent_path.split("."))) if parent_path else consumer
+            link = _input_link(consumer, layers[consumer][1].input_norm, norms)
+            if link is not None:
+                links[layer] = link
         elif final_norm in norms:
-            consumer, parent, attribute = final_norm, stack, kind.final_norm
-        else:
-            continue
-        links[layer] = NextNorm(consumer, getattr(parent, attribute), parent, attribute)
+            links[layer] = NextNorm(final_norm, final_norm, stack, kind.final_norm)
     return links
 
 
