@@ -20,6 +20,8 @@ from harness.gpu_suite_report import GOALS, Outcome, SpeedGoal, SuiteRun, ledger
 from hf_rmsnorm.tools.finetune_metrics import FinetuneMetrics
 from hf_rmsnorm.tools.verify_report import SpeedFigures
 
+pytestmark = pytest.mark.harness  # the newest-releases leg only (pyproject.toml, markers)
+
 SCRIPT = SCRIPTS / "gpu_suite.py"
 PATHS = {"py": "PY", "work": "WORK", "repo": "REPO"}
 

@@ -17,6 +17,8 @@ from packaging.requirements import Requirement
 
 from harness import gpu_suite, gpu_wheels
 
+pytestmark = pytest.mark.harness  # the newest-releases leg only (pyproject.toml, markers)
+
 FIRST_PARTY = {"hf_rmsnorm", "harness", "scripts"}
 SHARED_TEST_MODULES = {path.stem for path in (ROOT / "tests").glob("*.py")}
 # Markers as the GPU image's interpreter evaluates them (Python 3.12 on Linux).

@@ -19,6 +19,8 @@ from launching import SCRIPTS
 
 from harness import kernel_bench, kernel_inspect
 
+pytestmark = pytest.mark.harness  # the newest-releases leg only (pyproject.toml, markers)
+
 SCRIPTS = SCRIPTS
 
 

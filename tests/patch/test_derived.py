@@ -301,7 +301,8 @@ def test_derived_model_types_patch_with_parity(model_type):
     model = _build(model_type)
     run = functools.partial(_logits, ids=_ids(model))
     parity = Parity(model, run)
-    norms = {m for name, m in model.named_modules() if name in set(check_model(model).norms)}
+    norm_names = set(check_model(model).norms)  # once: a comprehension's condition would plan it per module
+    norms = {m for name, m in model.named_modules() if name in norm_names}
     next_to_norms = residual_census.adds_next_to_norms(model, run, norms, _width(model))
     report = patch_model(model)
     adds = CASES[model_type].adds

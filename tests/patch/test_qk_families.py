@@ -6,6 +6,8 @@ ops a patched layer dispatches (the README's launch-savings rows)."""
 from __future__ import annotations
 
 import collections
+import functools
+import types
 
 import pytest
 import torch
@@ -95,11 +97,24 @@ def test_generate_with_every_cache_kind(name, cache, monkeypatch):
     assert launches[0] >= 4 * CASES[name].qk
 
 
+@pytest.fixture
+def quanto_python_unpack(monkeypatch):
+    """optimum-quanto's CPU kernel of its ``quanto::unpack`` op (the 4-bit codes back to bytes) is a C++ extension
+    it compiles on first use: about 80 s of compiler in each fresh environment, so in each CI leg. The op's
+    default kernel, quanto's Python ``unpack``, computes the same integers with shifts and masks, so the cache
+    holds the same codes either way; the unpatched and the patched run both go through it."""
+    pytest.importorskip("optimum.quanto", reason="the quantized cache needs optimum-quanto")
+    from optimum.quanto.library.extensions import get_extension
+
+    default_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    unpack = functools.partial(torch.ops.quanto.unpack.default.redispatch, default_kernel)
+    monkeypatch.setattr(get_extension("quanto_cpp"), "_lib", types.SimpleNamespace(unpack=unpack))
+
+
 @pytest.mark.parametrize("name", ["qwen3", "olmo2"])  # transformers refuses it for Gemma 3's sliding layers
-def test_generate_with_the_quantized_cache(name, monkeypatch):
+def test_generate_with_the_quantized_cache(name, monkeypatch, quanto_python_unpack):
     """optimum-quanto's 4-bit cache, requantizing past 2 recent tokens: the quantized keys are those of the fused
     launch, and quantizing them gives the same tokens."""
-    pytest.importorskip("optimum.quanto", reason="the quantized cache needs optimum-quanto")
     model = _model(name)
     model.generation_config.cache_implementation = "quantized"
     model.generation_config.cache_config = {"backend": "quanto", "nbits": 4, "residual_length": 2}
