@@ -61,7 +61,7 @@ from torch import nn
 
 from . import derived_source
 from .derived_sites import plain_locals, signature_problem
-from .derived_syntax import compares_reads, named, self_name
+from .derived_syntax import NESTED_SCOPES, compares_reads, item_path, named, self_name
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class _Reading:
             return None
         target, call = statement.targets[0], statement.value
         first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
-        path = _sublayer_path(call.func, self.self_name)
+        path = item_path(call.func, self.self_name)
         if path is None or not _is(call.args[0], self.hidden) or not isinstance(first, ast.Name):
             return None
         if first.id != self.hidden and not (target is first and self._picks_first(first.id, following)):
@@ -282,30 +282,13 @@ def site_calls(function: ast.FunctionDef) -> list[ast.Assign]:
     return [statement for statement, _ in reading.sites]
 
 
-def _sublayer_path(node: ast.expr, self_name_: str) -> tuple[str | int, ...] | None:
-    """``("a", 0)`` for ``self.a[0]``, ``("a", -1)`` for ``self.a[-1]``, ``("a", "b")`` for ``self.a.b``."""
-    path: list[str | int] = []
-    while isinstance(node, (ast.Attribute, ast.Subscript)):
-        if isinstance(node, ast.Attribute):
-            path.append(node.attr)
-        else:
-            index = node.slice
-            if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
-                index = ast.Constant(-index.operand.value) if isinstance(index.operand, ast.Constant) else None
-            if not (isinstance(index, ast.Constant) and type(index.value) is int):
-                return None
-            path.append(index.value)
-        node = node.value
-    return tuple(reversed(path)) if _is(node, self_name_) and path else None
-
-
 def _own_nodes(function: ast.FunctionDef) -> list[ast.AST]:
     """The nodes of ``function``'s own scope (not those of nested functions, classes or lambdas)."""
     found, pending = [], list(function.body)
     while pending:
         node = pending.pop()
         found.append(node)
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        if not isinstance(node, NESTED_SCOPES):
             pending.extend(ast.iter_child_nodes(node))
     return found
 

@@ -542,8 +542,9 @@ class _Analysis:
         elif (found := summed(statement)) is not None:
             total, add = found
             in_tuple = _returns(statements[i + 1] if i + 1 < len(statements) else after, total)
-            if in_tuple is None and i + 2 < len(statements) and _prepends(statements[i + 1], total) is not None:
-                in_tuple = True if _returns(statements[i + 2], assigned_name(statements[i + 1])) is False else None
+            tupled = assigned_name(statements[i + 1]) if i + 2 < len(statements) else None
+            if in_tuple is None and tupled is not None and _prepends(statements[i + 1].value, total):
+                in_tuple = True if _returns(statements[i + 2], tupled) is False else None
             if in_tuple is None and i + 1 < len(statements):  # s = a + b; if <test>: ...; return s
                 branching = statements[i + 1]
                 if isinstance(branching, ast.If) and compares_reads(branching.test):
@@ -576,7 +577,7 @@ def _returns(statement: ast.stmt | None, name: str) -> bool | None:
     first item), ``return name`` (False), or neither (None)."""
     if not isinstance(statement, ast.Return):
         return None
-    if _prepends(ast.Assign([], statement.value), name) is not None:
+    if _prepends(statement.value, name):
         return True
     value, in_tuple = statement.value, isinstance(statement.value, ast.Tuple)
     if in_tuple and value.elts:
@@ -584,18 +585,14 @@ def _returns(statement: ast.stmt | None, name: str) -> bool | None:
     return in_tuple if isinstance(value, ast.Name) and value.id == name else None
 
 
-def _prepends(statement: ast.stmt, name: str) -> ast.expr | None:
-    """``rest`` for ``o = (name, ...) + rest`` (or the value ``(name, ...) + rest`` of a ``return``), where the
-    other items and ``rest`` only read and name ``name`` nowhere: a tuple whose first item is the sum (UMT5's and
-    LongT5's sublayers append their attention outputs so); None for anything else."""
-    value = getattr(statement, "value", None)
+def _prepends(value: ast.expr | None, name: str) -> bool:
+    """Whether ``value`` is ``(name, ...) + rest``, the other items and ``rest`` only reading and naming ``name``
+    nowhere: a tuple whose first item is the sum (UMT5's and LongT5's sublayers append their attention outputs so,
+    as ``o = (s, ...) + rest`` or ``return (s, ...) + rest``)."""
     if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add) and isinstance(value.left, ast.Tuple)
             and value.left.elts and isinstance(value.left.elts[0], ast.Name) and value.left.elts[0].id == name):
-        return None
-    others = [*value.left.elts[1:], value.right]
-    if statement.targets and assigned_name(statement) is None:
-        return None
-    return value.right if all(reads_only(e) and not named(e, name) for e in others) else None
+        return False
+    return all(reads_only(e) and not named(e, name) for e in (*value.left.elts[1:], value.right))
 
 
 # ------------------------------------------------------------------------------------- the first read

@@ -15,21 +15,33 @@ def self_name(function: ast.FunctionDef) -> str:
     return function.args.args[0].arg
 
 
-def attribute_path(node: ast.expr, self_name: str) -> tuple[str, ...] | None:
-    """``("a", "b")`` for ``self.a.b``, ``("a", "0")`` for ``self.a[0]`` (a ``ModuleList`` item, which ``getattr``
-    finds by that name), None for anything else."""
-    path: list[str] = []
+def item_path(node: ast.expr, self_name: str) -> tuple[str | int, ...] | None:
+    """``("a", "b")`` for ``self.a.b``, ``("a", 0)`` for ``self.a[0]``, ``("a", -1)`` for ``self.a[-1]`` (integer
+    items, negative ones too), None for anything else."""
+    path: list[str | int] = []
     while isinstance(node, (ast.Attribute, ast.Subscript)):
         if isinstance(node, ast.Attribute):
             path.append(node.attr)
-        elif isinstance(node.slice, ast.Constant) and type(node.slice.value) is int and node.slice.value >= 0:
-            path.append(str(node.slice.value))
         else:
-            return None
+            index = node.slice
+            if isinstance(index, ast.UnaryOp) and isinstance(index.op, ast.USub):
+                index = ast.Constant(-index.operand.value) if isinstance(index.operand, ast.Constant) else None
+            if not (isinstance(index, ast.Constant) and type(index.value) is int):
+                return None
+            path.append(index.value)
         node = node.value
     if isinstance(node, ast.Name) and node.id == self_name and path:
         return tuple(reversed(path))
     return None
+
+
+def attribute_path(node: ast.expr, self_name: str) -> tuple[str, ...] | None:
+    """``("a", "b")`` for ``self.a.b``, ``("a", "0")`` for ``self.a[0]`` (a ``ModuleList`` item, which ``getattr``
+    finds by that name), None for anything else (a negative item too: ``getattr`` finds none)."""
+    path = item_path(node, self_name)
+    if path is None or any(type(step) is int and step < 0 for step in path):
+        return None
+    return tuple(str(step) for step in path)
 
 
 def module_call(node: ast.AST, self_name: str) -> tuple[str, ...] | None:

@@ -105,6 +105,26 @@ def test_only_norm_calls_count_and_the_input_norm_must_come_first():
         "input_layernorm")
 
 
+class _AnnotatedTupleLayer(ToyDecoderLayer):
+    """The output add followed by an annotated tuple of it: not the ``o = (s, ...) + rest`` form."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple:
+        residual = hidden_states
+        hidden_states = self.mlp(self.input_layernorm(hidden_states))
+        hidden_states = residual + hidden_states
+        outputs: tuple = (hidden_states, residual) + ()
+        return outputs
+
+
+def test_an_annotated_tuple_after_the_output_add_is_no_output_form():
+    """Only ``o = (s, ...) + rest`` (one name bound) then ``return o`` makes the add a layer output returned first
+    in a tuple; another statement there (an annotated assignment) leaves the add unread as an output, without
+    failing the analysis."""
+    code = derived_sites.layer_code(_AnnotatedTupleLayer, frozenset({("input_layernorm",)}))
+    assert [s.position for s in code.sites] == []
+    assert code.input_norm == "input_layernorm"
+
+
 class _ChunkedModel(ToyModel):
     """Two loops over the layers, as xLSTM's: chunks copied out of the last layer, or the whole stream."""
 
