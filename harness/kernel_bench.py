@@ -652,7 +652,7 @@ def launch_path_line(hidden: int, settings: Settings) -> str:
     from unittest import mock
 
     from hf_rmsnorm import patch_model
-    from hf_rmsnorm.ops import fast_launch, fused_add_rms_norm
+    from hf_rmsnorm.ops import fast_launch, fused_add_rms_norm, library
 
     dtype = DTYPES[settings.dtype_name]
     x, residual = (torch.randn(1, hidden, dtype=dtype, device=settings.device) for _ in range(2))
@@ -662,7 +662,7 @@ def launch_path_line(hidden: int, settings: Settings) -> str:
         return fused_add_rms_norm(a, r, w, EPS)
 
     def custom_op(a, r, w):
-        return torch.ops.hf_rmsnorm.add_norm_fwd(a, r, w, None, EPS, "llama")[:2]
+        return library.op("add_norm_fwd")(a, r, w, None, EPS, "llama")[:2]
 
     norm = _hf_module(hidden, dtype, settings.device)
     patch_model(norm)

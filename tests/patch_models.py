@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm.ops import library
 from hf_rmsnorm.ops.functional import BoundNorm
 
 VOCAB = 128
@@ -192,8 +193,9 @@ def recording_aot_eager(graphs: list):
 
 def graph_calls(graphs: list, *operators: str) -> int:
     """How many nodes of the graphs ``recording_aot_eager`` kept (and of their submodules: checkpoint regions)
-    call an operator whose name starts with one of ``operators`` (``"hf_rmsnorm.norm_add_fwd"``)."""
-    return sum(str(node.target).startswith(operators) for graph in graphs for module in graph.modules()
+    call one of this package's ``operators`` (``"norm_add_fwd"``: ``library.op("norm_add_fwd")`` or an overload)."""
+    prefixes = tuple(f"{library.NAMESPACE}.{name}" for name in operators)
+    return sum(str(node.target).startswith(prefixes) for graph in graphs for module in graph.modules()
                if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes)
 
 

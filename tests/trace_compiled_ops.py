@@ -29,7 +29,7 @@ from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add  # noqa: E402
-from hf_rmsnorm.ops import functional, launch  # noqa: E402
+from hf_rmsnorm.ops import functional, launch, library  # noqa: E402
 from hf_rmsnorm.ops.modes import MODES  # noqa: E402
 
 HIDDEN = 64
@@ -157,7 +157,7 @@ def main() -> None:
         "fused_add_backward_dynamic": _trace(fused_add_backward, (rows, fp32), (rows, fp32), (rows, bf16),
                                              (rows, fp32), (row, fp32), (rows, fp32), (stats, fp32), dynamic=True),
     }
-    kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
+    kernels = {name: [k.fn.__name__ for k in torch._library.triton.get_triton_kernels_for_op(library.qualified_name(name))]
                for name in ("norm_fwd_triton", "add_norm_fwd_triton", "norm_add_fwd_triton",
                             "norm_add_norm_fwd_triton", "norm_bwd_triton")}
     json.dump({"cases": cases, "kernels_of_ops": kernels}, sys.stdout)

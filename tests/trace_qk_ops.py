@@ -15,7 +15,7 @@ import torch
 from trace_compiled_ops import _Context, _describe, _trace, _without_a_gpu  # sets the kernels up for a GPU
 
 from hf_rmsnorm import qk_norm_rope  # noqa: E402
-from hf_rmsnorm.ops import qk  # noqa: E402
+from hf_rmsnorm.ops import library, qk  # noqa: E402
 
 B, T, Q_HEADS, K_HEADS, HEAD_DIM = 2, 5, 4, 2, 64
 
@@ -49,7 +49,7 @@ def main() -> None:
                                  trig, trig, per_head_stats),
     }
     kernels = {name: [kernel.fn.__name__
-                      for kernel in torch._library.triton.get_triton_kernels_for_op(f"hf_rmsnorm::{name}")]
+                      for kernel in torch._library.triton.get_triton_kernels_for_op(library.qualified_name(name))]
                for name in ("qk_norm_rope_fwd_triton", "qk_norm_rope_bwd_triton")}
     json.dump({"cases": cases, "kernels_of_ops": kernels}, sys.stdout)
 

@@ -2,8 +2,8 @@
 
 ``modes`` (the casting orders, as data) -> ``reference`` (the maths in PyTorch) and ``kernels`` (the same maths
 in Triton) -> ``launch`` (block sizes, allocation, launches) -> ``functional`` (custom ops, autograd and the
-public functions); ``backend`` decides which implementation runs, ``dtensor`` runs the public functions on the
-local shards of DTensor arguments. The query/key norms fused with the rotary embedding follow the same layers:
+public functions; ``library`` names their namespace after this package's code); ``backend`` decides which
+implementation runs, ``dtensor`` runs the public functions on the local shards of DTensor arguments. The query/key norms fused with the rotary embedding follow the same layers:
 ``qk_kernels`` -> ``qk_launch`` -> ``qk`` (``qk_norm_rope``). Nothing here knows about transformers.
 
 Importing this package defines no Triton kernel (see ``backend``): the functional API is loaded on first use.

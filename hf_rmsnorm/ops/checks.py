@@ -90,7 +90,7 @@ def check_backward(
 ) -> None:
     """Checks the tensor arguments of the ``norm_bwd`` custom op against the forward's input.
 
-    Autograd always passes consistent tensors; this guards direct calls of ``torch.ops.hf_rmsnorm.norm_bwd``,
+    Autograd always passes consistent tensors; this guards direct calls of the operator (``library.op("norm_bwd")``),
     which the kernels would otherwise read out of bounds.
 
     Raises:

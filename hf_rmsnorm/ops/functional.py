@@ -9,14 +9,16 @@ LayerNorm function to call.
 
 The forwards and the backward are registered twice with ``torch.library``, under one schema:
 
-* as custom ops (``hf_rmsnorm::norm_fwd``...) with fake implementations: ``torch.compile(fullgraph=True)``
+* as custom ops (``norm_fwd``...) with fake implementations: ``torch.compile(fullgraph=True)``
   traces each as one opaque node, which calls the Python implementation when the graph runs;
-* as Triton ops (``hf_rmsnorm::norm_fwd_triton``...): ``torch.compile`` traces into them, down to the kernel
+* as Triton ops (``norm_fwd_triton``...): ``torch.compile`` traces into them, down to the kernel
   launches (``wrap_triton`` in ``launch.py``), so inductor launches the kernels from its own generated code,
   without the custom-op dispatch and the Python around it, and captures them in CUDA graphs with the rest.
 
-A compiled call on a GPU uses the Triton ops; elsewhere the custom ops, which the interpreter's kernels and the
-PyTorch implementation need (neither is a compiled Triton kernel inductor could launch).
+Both live in the namespace of ``library.py``, named after this package's code so that torch.compile's on-disk
+caches never hand a new version a graph the old one compiled. A compiled call on a GPU uses the Triton ops;
+elsewhere the custom ops, which the interpreter's kernels and the PyTorch implementation need (neither is a compiled
+Triton kernel inductor could launch).
 
 Eagerly, the custom-op dispatcher costs several times a decode-sized kernel launch on the host, so eager calls
 skip it: an ``autograd.Function`` built from the same forward, context and backward functions when a gradient is
@@ -52,6 +54,7 @@ from .launch import (
     ForwardLaunch, SandwichLaunch, forward_launch, is_traced, norm_add_norm_forward, norm_backward, norm_forward,
     sandwich_launch,
 )
+from .library import op, qualified_name
 from .modes import MODES, dtype_of, get_mode, sum_dtype
 from .tuning import device_arch, reads_tuned_plans
 
@@ -77,11 +80,11 @@ def _fake_forward(x, residual, weight, bias, eps, mode):
 
 
 def define_ops(name: str, impl) -> Any:
-    """Defines ``impl`` as the Triton op ``hf_rmsnorm::<name>_triton`` (whose fake implementation is ``impl`` itself:
-    on fake tensors it records its launches and allocates its outputs) and as the custom op ``hf_rmsnorm::<name>``,
-    which it returns for its fake implementation to be registered."""
-    torch.library.triton_op(f"hf_rmsnorm::{name}_triton", impl, mutates_args=())
-    return torch.library.custom_op(f"hf_rmsnorm::{name}", impl, mutates_args=())
+    """Defines ``impl`` as the Triton op ``<name>_triton`` (whose fake implementation is ``impl`` itself: on fake
+    tensors it records its launches and allocates its outputs) and as the custom op ``<name>``, which it returns for
+    its fake implementation to be registered (both in ``library.NAMESPACE``)."""
+    torch.library.triton_op(qualified_name(f"{name}_triton"), impl, mutates_args=())
+    return torch.library.custom_op(qualified_name(name), impl, mutates_args=())
 
 
 def _norm_impl(
@@ -345,8 +348,8 @@ def _norm_add_norm_backward(ctx, dy, dtotal, _dstats, _dstats2):
 
 def register_autograd_of(name: str, backward, setup) -> None:
     """The same autograd formula for both of ``define_ops``'s operators."""
-    for op in (name, f"{name}_triton"):
-        torch.library.register_autograd(f"hf_rmsnorm::{op}", backward, setup_context=setup)
+    for op_name in (name, f"{name}_triton"):
+        torch.library.register_autograd(qualified_name(op_name), backward, setup_context=setup)
 
 
 register_autograd_of("norm_fwd", _norm_backward, _norm_setup)
@@ -366,8 +369,8 @@ class _Ops(NamedTuple):
 
 
 _OP_NAMES = ("norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_add_norm_fwd", "norm_bwd")
-_CUSTOM_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, name) for name in _OP_NAMES))
-_TRITON_OPS = _Ops(*(getattr(torch.ops.hf_rmsnorm, f"{name}_triton") for name in _OP_NAMES))
+_CUSTOM_OPS = _Ops(*(op(name) for name in _OP_NAMES))
+_TRITON_OPS = _Ops(*(op(f"{name}_triton") for name in _OP_NAMES))
 
 
 def records_triton_ops(t: Tensor) -> bool:

@@ -7,7 +7,7 @@ attention call::
     query_states = apply_rotary_pos_emb(q_norm(q).transpose(1, 2), ...)   # and the same for k
 
 Registered as ``functional.py``'s norms are (``functional.define_ops``: a custom op and a Triton op,
-``hf_rmsnorm::qk_norm_rope_fwd`` and ``hf_rmsnorm::qk_norm_rope_bwd``, with fake implementations); eager calls skip
+``qk_norm_rope_fwd`` and ``qk_norm_rope_bwd`` in ``library.NAMESPACE``, with fake implementations); eager calls skip
 the dispatcher (an ``autograd.Function`` of the same functions where a gradient is needed, a direct call
 otherwise), and ``backend.runs_kernels`` picks the kernels or the PyTorch implementation
 (``reference.qk_norm_rope_reference``). The arguments are checked first (``checks.check_qk_norm_rope``).
@@ -24,6 +24,7 @@ from .checks import check_qk_norm_rope, check_qk_norm_rope_backward
 from .dtensor import holds_dtensor
 from .functional import autograd_function, define_ops, needs_autograd, records_triton_ops, register_autograd_of
 from .launch import is_traced
+from .library import op
 from .modes import get_mode
 from .qk_launch import qk_norm_rope_backward, qk_norm_rope_forward, qk_output_dtype, qk_stats_shape
 
@@ -115,8 +116,8 @@ def _zero_gradient(x: Tensor, weight: Tensor | None, cos: Tensor, mode: str) -> 
 
 
 register_autograd_of("qk_norm_rope_fwd", _backward, _setup)
-_QK_CUSTOM_FWD, _QK_TRITON_FWD = torch.ops.hf_rmsnorm.qk_norm_rope_fwd, torch.ops.hf_rmsnorm.qk_norm_rope_fwd_triton
-_QK_CUSTOM_BWD, _QK_TRITON_BWD = torch.ops.hf_rmsnorm.qk_norm_rope_bwd, torch.ops.hf_rmsnorm.qk_norm_rope_bwd_triton
+_QK_CUSTOM_FWD, _QK_TRITON_FWD = op("qk_norm_rope_fwd"), op("qk_norm_rope_fwd_triton")
+_QK_CUSTOM_BWD, _QK_TRITON_BWD = op("qk_norm_rope_bwd"), op("qk_norm_rope_bwd_triton")
 _QKFunction = autograd_function("_QKFunction", _fwd_impl, _setup, _backward)
 
 

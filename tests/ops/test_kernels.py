@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, rms_norm, rms_norm_add
-from hf_rmsnorm.ops import backend, launch, reference
+from hf_rmsnorm.ops import backend, launch, library, reference
 from hf_rmsnorm.ops.functional import fused_add_norm, norm, norm_add
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted
@@ -349,7 +349,7 @@ def test_post_norm_add_matches_eager_and_fp64(mode, hf_class, n_cols, dtype):
 def test_post_norm_add_op_passes_opcheck():
     x, r = _randn(3, 40, seed=74).requires_grad_(), _randn(3, 40, seed=75).requires_grad_()
     weight = _randn(40, seed=76).requires_grad_()
-    torch.library.opcheck(torch.ops.hf_rmsnorm.norm_add_fwd, (x, r, weight, None, EPS, "fp32_affine"))
+    torch.library.opcheck(library.op("norm_add_fwd"), (x, r, weight, None, EPS, "fp32_affine"))
 
 
 def test_llama_mode_with_bias_rounds_like_eager():
@@ -719,15 +719,15 @@ def test_custom_ops_pass_torch_library_opcheck(with_residual):
     weight = _randn(40, dtype=torch.float32, seed=47).requires_grad_()
     if with_residual:
         r = _randn(3, 40, dtype=torch.float32, seed=48).requires_grad_()
-        torch.library.opcheck(torch.ops.hf_rmsnorm.add_norm_fwd, (x, r, weight, None, EPS, "llama"))
+        torch.library.opcheck(library.op("add_norm_fwd"), (x, r, weight, None, EPS, "llama"))
     else:
-        torch.library.opcheck(torch.ops.hf_rmsnorm.norm_fwd, (x, weight, None, EPS, "gemma"))
+        torch.library.opcheck(library.op("norm_fwd"), (x, weight, None, EPS, "gemma"))
     s = _randn(3, 40, dtype=torch.bfloat16, seed=49)
     stats = MODES["llama"].pack_stats(torch.rand(3, device=DEVICE) + 0.5, None)  # as a forward saves them
     dy = _randn(3, 40, dtype=torch.float32, seed=50)
     dsum = _randn(3, 40, dtype=torch.bfloat16, seed=55) if with_residual else None
     torch.library.opcheck(
-        torch.ops.hf_rmsnorm.norm_bwd,
+        library.op("norm_bwd"),
         (dy, dsum, s, stats, weight.detach(), torch.float32, "llama", torch.bfloat16, torch.float32, with_residual),
     )
 

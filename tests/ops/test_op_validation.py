@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hf_rmsnorm import fused_add_layer_norm, fused_add_rms_norm, layer_norm, rms_norm
-from hf_rmsnorm.ops import reference
+from hf_rmsnorm.ops import library, reference
 from hf_rmsnorm.ops.functional import BoundNorm, fused_add_norm, norm
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.ops.backend import kernels_interpreted, runs_kernels
@@ -117,8 +117,8 @@ def _custom_op(op: str, a: dict):
     # The LayerNorm functions run the same custom ops in the LayerNorm mode, whose errors name them.
     mode = "layernorm" if op.endswith("layer_norm") else "llama"
     if op in ("rms_norm", "layer_norm"):
-        return torch.ops.hf_rmsnorm.norm_fwd(a["x"], a["weight"], a["bias"], a["eps"], mode)
-    return torch.ops.hf_rmsnorm.add_norm_fwd(a["x"], a["residual"], a["weight"], a["bias"], a["eps"], mode)
+        return library.op("norm_fwd")(a["x"], a["weight"], a["bias"], a["eps"], mode)
+    return library.op("add_norm_fwd")(a["x"], a["residual"], a["weight"], a["bias"], a["eps"], mode)
 
 
 def _with_grad(a: dict) -> dict:
@@ -271,8 +271,8 @@ def _run_backward(path: str, a: dict):
     if path == "fake":
         a, mode = _faked(a)
         with mode:
-            return torch.ops.hf_rmsnorm.norm_bwd(**a)
-    return torch.ops.hf_rmsnorm.norm_bwd(**a)
+            return library.op("norm_bwd")(**a)
+    return library.op("norm_bwd")(**a)
 
 
 @pytest.mark.parametrize("path", ["custom_op", "fake"])

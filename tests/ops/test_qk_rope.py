@@ -20,7 +20,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from harness import byte_traffic, kernel_inspect
 from hf_rmsnorm import qk_norm_rope
-from hf_rmsnorm.ops import qk_launch, reference
+from hf_rmsnorm.ops import library, qk_launch, reference
 from hf_rmsnorm.ops.backend import kernels_interpreted
 from hf_rmsnorm.ops.kernels import row_count_args
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
@@ -130,7 +130,7 @@ def _same_statistics(family, q, k, q_weight, k_weight, cos, sin):
     is the very value eager's norm computed. The two reduce a row in different orders, so an ``rstd`` can differ by
     an ulp (docs/numerics.md), and an output then round the other way: the rounding order is exact, the
     statistics are not."""
-    _, _, stats = torch.ops.hf_rmsnorm.qk_norm_rope_fwd(q, k, q_weight, k_weight, cos, sin, EPS, EPS, family.mode,
+    _, _, stats = library.op("qk_norm_rope_fwd")(q, k, q_weight, k_weight, cos, sin, EPS, EPS, family.mode,
                                                         family.per_head)
     kernel_rstd = stats[qk_launch.STATS_SYNC_SLOTS:]
     masks, first = [], 0
@@ -394,9 +394,9 @@ def test_custom_ops_pass_torch_library_opcheck():
     q, k, q_weight, k_weight, cos, sin = _inputs(family, torch.bfloat16, 1, 3, 2, 1, 64, 64, seed=61,
                                                  weight_dtype=torch.float32)
     args = (q.requires_grad_(), k, q_weight.requires_grad_(), k_weight, cos, sin, EPS, EPS, "llama", True)
-    torch.library.opcheck(torch.ops.hf_rmsnorm.qk_norm_rope_fwd, args)
-    q_out, k_out, stats = torch.ops.hf_rmsnorm.qk_norm_rope_fwd(*args)
-    torch.library.opcheck(torch.ops.hf_rmsnorm.qk_norm_rope_bwd,
+    torch.library.opcheck(library.op("qk_norm_rope_fwd"), args)
+    q_out, k_out, stats = library.op("qk_norm_rope_fwd")(*args)
+    torch.library.opcheck(library.op("qk_norm_rope_bwd"),
                           (torch.randn_like(q_out), torch.randn_like(k_out), q.detach(), k, q_weight.detach(),
                            k_weight, cos, sin, stats.detach(), "llama", True))
 
@@ -461,7 +461,7 @@ def test_dtensors_are_refused(mesh):
 def test_backward_op_checks_its_statistics():
     q, k, q_weight, k_weight, cos, sin = _valid()
     with pytest.raises(ValueError, match=r"qk_norm_rope_bwd: stats has shape \(5,\) but the forward saves \(22,\)"):
-        torch.ops.hf_rmsnorm.qk_norm_rope_bwd(q, k, q, k, q_weight, k_weight, cos, sin, torch.zeros(5), "llama", True)
+        library.op("qk_norm_rope_bwd")(q, k, q, k, q_weight, k_weight, cos, sin, torch.zeros(5), "llama", True)
 
 
 def test_no_tokens():

@@ -16,7 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 from launching import TESTS
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm
-from hf_rmsnorm.ops import functional, launch
+from hf_rmsnorm.ops import functional, launch, library
 
 TRACE_SCRIPT = TESTS / "trace_compiled_ops.py"
 FWD, BWD = "norm_fwd_kernel", "norm_bwd_kernel"
@@ -110,7 +110,7 @@ def test_torch_finds_the_kernels_of_each_triton_op(traced):
 @pytest.mark.parametrize("name", functional._OP_NAMES)
 def test_both_registrations_have_one_schema(name):
     def signature(op_name: str) -> str:  # the schema after the operator's name
-        return str(getattr(torch.ops.hf_rmsnorm, op_name).default._schema).split("(", 1)[1]
+        return str(library.op(op_name).default._schema).split("(", 1)[1]
 
     assert signature(name) == signature(f"{name}_triton")
 
@@ -137,7 +137,7 @@ def test_compiled_calls_on_the_cpu_use_the_custom_ops():
     residual = torch.randn(3, 16, dtype=torch.bfloat16)
     weight = torch.randn(16, dtype=torch.bfloat16, requires_grad=True)
     ops = _compiled_ops(lambda a, r, w: fused_add_rms_norm(a, r, w)[0], x, residual, weight)
-    assert "hf_rmsnorm.add_norm_fwd.default" in ops and "hf_rmsnorm.norm_bwd.default" in ops
+    assert str(library.op("add_norm_fwd").default) in ops and str(library.op("norm_bwd").default) in ops
     assert not [op for op in ops if "_triton" in op or "triton_kernel_wrapper" in op]
 
 
@@ -207,7 +207,7 @@ def _opcheck_args(device: str):
 def test_triton_ops_schema_and_autograd_registration(name):
     """The Triton ops carry the custom ops' autograd formula (run eagerly here; their fake implementation is the
     real one traced, which needs kernels compiled for a GPU: the GPU test below checks it)."""
-    op = getattr(torch.ops.hf_rmsnorm, f"{name}_triton")
+    op = library.op(f"{name}_triton")
     torch.library.opcheck(op, _opcheck_args("cuda" if torch.cuda.is_available() else "cpu")[name],
                           test_utils=("test_schema", "test_autograd_registration"))
 
@@ -215,4 +215,4 @@ def test_triton_ops_schema_and_autograd_registration(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["norm_fwd", "add_norm_fwd", "norm_add_fwd", "norm_add_norm_fwd"])
 def test_triton_ops_pass_torch_library_opcheck_on_a_gpu(name):
-    torch.library.opcheck(getattr(torch.ops.hf_rmsnorm, f"{name}_triton"), _opcheck_args("cuda")[name])
+    torch.library.opcheck(library.op(f"{name}_triton"), _opcheck_args("cuda")[name])
