@@ -98,6 +98,9 @@ OVERRIDES: dict[str, dict] = {
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # its layers' kinds, as (pattern, repeats)
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default has no layer types
     "mamba2": dict(expand=1),  # heads x head dim must be expand x hidden: TINY's 4 x 16 = 1 x 64
+    # Its embeddings keep the default's 768 wide, projected into the shrunk stream (project_in), which the census
+    # would take for the stream's width: every OPT but 350m has them as wide as the stream.
+    "opt": dict(word_embed_proj_dim=64),
     "qwen4_exp": dict(text_config=QWEN4_EXP_INDEXER),
     "qwen4_exp_text": QWEN4_EXP_INDEXER,
     # Its LM head refuses an encoder (the default); its axial position embeddings add up to the hidden size.

@@ -7,7 +7,8 @@ the adds.
   as an input as wide as the stream (a post-LN sublayer reads it as its second), once a norm returns it as wide as
   the stream (a post-LN layer's stream is its normed sum), once it is the result of a residual add, or of a product
   or dtype conversion of a tensor on it
-  (a scaled residual, one kept in fp32). A residual add is an add (``a + b``, ``torch.add``,
+  (a scaled residual, one kept in fp32), or a view of one that keeps its rows (``reshape``/``view`` keeping the
+  last dimension: a norm reading the view reads the tensor viewed). A residual add is an add (``a + b``, ``torch.add``,
   ``+=``) of two tensors of one shape, as wide as the stream, one of them already on it (a branch sum inside a
   mixture of experts, an embedding sum, a rotary embedding are not); it sits next to a norm when a norm reads its
   result as its input, or when its other operand is a norm's output. Inputs and outputs are recorded by forward
@@ -38,6 +39,9 @@ _ADDS = {torch.add, Tensor.add, Tensor.add_, Tensor.__add__, Tensor.__radd__, Te
 # Ops whose result stays on the stream when their first operand is on it: a residual scaled before its add
 # (``residual * alpha + h``), or carried in another dtype (``residual.to(torch.float32)``).
 _CARRIERS = {torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__, Tensor.to, Tensor.float}
+# Views of a tensor on the stream that keep its rows (OPT's ``h.reshape(-1, h.size(-1))`` and
+# ``(residual + h).view(shape)``): the same values, so a norm reading the view reads the tensor viewed.
+_VIEWS = {torch.reshape, Tensor.reshape, Tensor.view}
 # The methods a patched norm's forward calls when it adds (on its class's ``BoundNorm``: ``hf_rmsnorm.patch.fused``),
 # and the one a sandwich's two norms call together (``hf_rmsnorm.patch.sandwich``), which adds once too.
 _ADDING_KERNELS = ("fused_add_norm", "norm_add", "norm_add_norm")
@@ -54,6 +58,7 @@ class _Census(TorchFunctionMode):
         self.stream: set[int] = set()
         self.norm_outputs: set[int] = set()
         self.norm_inputs: set[int] = set()
+        self.viewed: dict[int, int] = {}  # a view's id -> the id of the tensor it views (not itself a view)
         # Per residual add: its result's id, whether its other operand is a norm's output, and its code site.
         self.residual_adds: list[tuple[int, bool, str]] = []
 
@@ -70,7 +75,7 @@ class _Census(TorchFunctionMode):
         # later add's result, would count that add as read by a norm.
         self.read_by_layer(tensor)
         self.kept.append(tensor)
-        self.norm_inputs.add(id(tensor))
+        self.norm_inputs.add(self.viewed.get(id(tensor), id(tensor)))
 
     def made_by_norm(self, tensor: object) -> None:
         """A norm's output: as wide as the stream, it is the stream of a post-LN layer (its normed sum)."""
@@ -90,6 +95,14 @@ class _Census(TorchFunctionMode):
                 other = b if id(a) in self.stream else a
                 self.residual_adds.append((id(result), id(other) in self.norm_outputs, _caller_site()))
                 self.stream.add(id(result))
+        elif func in _VIEWS and isinstance(result, Tensor) and args and isinstance(args[0], Tensor) and (
+            id(args[0]) in self.stream and result.shape[-1:] == args[0].shape[-1:] == (self.width,)
+        ):
+            self.kept.append(result)
+            self.stream.add(id(result))
+            self.viewed[id(result)] = self.viewed.get(id(args[0]), id(args[0]))
+            if id(args[0]) in self.norm_outputs:
+                self.norm_outputs.add(id(result))
         elif func in _CARRIERS and isinstance(result, Tensor) and args and any(
             isinstance(a, Tensor) and id(a) in self.stream and a.shape == result.shape for a in args[:2]
         ):

@@ -120,17 +120,18 @@ CASES: dict[str, FamilyCase] = {
     # LayerNorm decoders: the norms patched are the LayerNorms on the residual stream, two layers of (norms per
     # layer) plus the final norm. The sequential pre-LN blocks fit the generic layer body (the attention add
     # always, the MLP add in inference), the parallel blocks the generic parallel body (their one add, in
-    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived_*.py);
-    # OPT's keeps its forward (its adds are followed by an `if`, no norm). Falcon's (parallel attention) derived
-    # forward inlines its `dropout_add` (derived_inline.py): each layer's output add goes into the next norm (the
-    # next layer's input norm sits in one branch of an `if`, whose other branch calls other norms).
+    # inference); StableLM's layer, of no registered shape, fuses through its derived forward (derived_*.py), and
+    # OPT's too (its norms under `if self.do_layer_norm_before` read the sum flattened, its output is a view of the
+    # sum: derived_sites' "Norms under tests"). Falcon's (parallel attention) derived forward inlines its
+    # `dropout_add` (derived_inline.py): each layer's output add goes into the next norm (the next layer's input
+    # norm sits in one branch of an `if`, whose other branch calls other norms).
     "gpt2": FamilyCase("gpt2", {LAYERNORM}, dict(n_embd=64, n_layer=2, n_head=4, n_positions=64), norms=5, adds=4),
     "gpt_neox": FamilyCase("gpt_neox", {LAYERNORM}, NEOX_SHAPE, norms=5, adds=2, parallel=True),
     "gpt_neox_sequential": FamilyCase("gpt_neox", {LAYERNORM}, dict(NEOX_SHAPE, use_parallel_residual=False), norms=5,
                                       adds=4),
     "opt": FamilyCase("opt", {LAYERNORM}, dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64
-    ), norms=5, adds=0),
+    ), norms=5, adds=4, derived_forward=True),
     "phi": FamilyCase("phi", {LAYERNORM}, NEOX_SHAPE, norms=3, adds=2, parallel=True),
     "falcon": FamilyCase("falcon", {LAYERNORM}, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4),
                          norms=3, adds=2, parallel=True, derived_forward=True),

@@ -166,6 +166,30 @@ def patch_unfused(model, monkeypatch) -> None:
         assert not patch_model(model).fused_adds
 
 
+def fused_and_unfused(model, monkeypatch):
+    """``(report, fused, unfused)``: copies of ``model``, one patched (its report), one with the same kernels but
+    no residual add fused (``patch_unfused``)."""
+    fused, unfused = clone(model), clone(model)
+    report = patch_model(fused)
+    patch_unfused(unfused, monkeypatch)
+    return report, fused, unfused
+
+
+def assert_outputs_and_gradients_alike(fused, unfused, x: torch.Tensor, gradients: bool = True) -> None:
+    """``fused(x)`` and ``unfused(x)`` (``fused_and_unfused``' models) bit for bit, and where ``gradients`` the
+    gradients of ``x`` and of every parameter too."""
+    results = []
+    for m in (fused, unfused):
+        inputs = x.clone().requires_grad_()
+        out = m(inputs)
+        out.float().square().mean().backward()
+        results.append((out.detach(), inputs.grad, [p.grad for p in m.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    if gradients:
+        assert torch.equal(results[0][1], results[1][1])
+        assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+
+
 def training_step(model, ids: torch.Tensor, runner=None) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """One training forward of ``runner`` (``model``, or a compiled form of it), counting the norm kernels that add,
     and its backward: ``(fused adds, logits, the gradients of model's parameters)``."""

@@ -10,6 +10,7 @@ loop's. So tracebacks, ``dis`` and the source annotations of ``torch.export`` na
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Callable
 
 from torch import Tensor
@@ -18,13 +19,15 @@ from . import derived_blocks, derived_runtime, derived_source, handoff
 from .derived_blocks import DerivedBlockKind
 from .derived_loops import StackLoop, stack_layout, stack_loops
 from .derived_sites import (
-    AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, OutputPlan, analysed, signature_problem,
+    AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, GuardedPlan, OutputPlan, analysed, signature_problem,
 )
 from .derived_syntax import compares_reads, located, self_name
 
 # The local a ``before`` rewrite keeps the normed sum in until its consumer ran (then deleted: it is freed as the
 # original's temporary is).
 _NORMED = "_hf_rmsnorm_normed_"
+# The local a guarded site keeps its sum in before the view the original applies to it.
+_SUM = "_hf_rmsnorm_sum_"
 # The local a derived stack forward keeps what its last layer call handed on in (``handoff.call_layer``).
 _HANDED = "_hf_rmsnorm_handed"
 
@@ -51,11 +54,14 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     if kind.input_norm is not None and found != kind.input_norm:
         raise ValueError(f"{base.__qualname__}.forward no longer applies {kind.input_norm} to its input first")
     frees: list[tuple[list[ast.stmt], ast.stmt, str]] = []
+    viewing: list[tuple[list[ast.stmt], ast.stmt, ast.stmt]] = []  # (block, statement, the one to insert after it)
     for plan in analysis.plans:  # a site copied into both branches of an ``if`` (derived_branches) has two plans
         if plan.site not in kind.sites:
             continue
         if isinstance(plan, BeforePlan):
             frees.append(_rewrite_before(plan))
+        elif isinstance(plan, GuardedPlan):
+            frees.append(_rewrite_guarded(plan, self_name(function), viewing))
         elif isinstance(plan, AfterPlan) and plan.next_call is not None:
             frees.append(_rewrite_chained_after(plan))
         elif isinstance(plan, AfterPlan):
@@ -65,7 +71,9 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
                      located(_helper_call("norm_of_add", plan.call.func, plan.add.left, plan.add.right), plan.call))
         else:
             _rewrite_output(plan)
-    for statements, consumer, normed in frees:  # after every rewrite by index: these insert statements
+    for statements, anchor, inserted in viewing:  # after every rewrite by index: these insert statements
+        statements.insert(next(k for k, s in enumerate(statements) if s is anchor) + 1, inserted)
+    for statements, consumer, normed in frees:
         if not isinstance(consumer, ast.Return):
             position = next(k for k, s in enumerate(statements) if s is consumer)
             statements.insert(position + 1, located(ast.Delete([ast.Name(normed, ast.Del())]), consumer))
@@ -83,6 +91,42 @@ def _rewrite_before(plan: BeforePlan) -> tuple[list[ast.stmt], ast.stmt, str]:
     what to free after the consumer."""
     value = _helper_call("norm_of_sum", plan.call.func, plan.add.left, plan.add.right)
     return _bind_normed_sum(plan.statements, plan.index, plan.add, plan.total, value, plan.consumer, plan.call)
+
+
+def _rewrite_guarded(plan: GuardedPlan, self_name_: str,
+                     viewing: list[tuple[list[ast.stmt], ast.stmt, ast.stmt]]) -> tuple[list[ast.stmt], ast.stmt, str]:
+    """``s = a + b`` -> ``pending, s = norm_of_sum_first(a, b, self, 0 if T0 else 1 if T1 else None, paths)``
+    (``paths`` the norms' attribute paths, in the tests' order; an output's takes the ``LayerCall`` too), and each
+    ``F(v)`` under the test ``Tk`` -> ``take_normed(pending, k, F, v)``; returns what to free after the last
+    ``if``. ``s = (a + b).view(...)`` binds the sum to a local of its own first, then views it (an output's view
+    through ``viewed_output``)::
+
+        pending, total = norm_of_sum_first(a, b, self, ...); s = viewed_output(call, total, total.view(...))
+    """
+    add = plan.add
+    pending = f"{_NORMED}{add.lineno}_{add.col_offset}"
+    chosen: ast.expr = ast.Constant(None)
+    for k in reversed(range(len(plan.consumers))):  # evaluated as the ifs are: a test only when the earlier failed
+        chosen = ast.IfExp(copy.deepcopy(plan.consumers[k].test), ast.Constant(k), chosen)
+    paths = ast.Tuple([ast.Tuple([ast.Constant(step) for step in path], ast.Load()) for path in plan.site.norms],
+                      ast.Load())
+    output = plan.site.position == "output"
+    call_param = ast.Name(handoff.CALL_PARAM, ast.Load())
+    value = _helper_call("norm_of_sum_first", add.left, add.right, ast.Name(self_name_, ast.Load()), chosen, paths,
+                         *([call_param] if output else []))
+    total = plan.total if plan.view is None else f"{_SUM}{add.lineno}_{add.col_offset}"
+    targets = ast.Tuple([ast.Name(pending, ast.Store()), ast.Name(total, ast.Store())], ast.Store())
+    plan.statements[plan.index] = located(ast.Assign([targets], value), add)
+    if plan.view is not None:  # inserted after every rewrite by index (``viewing``)
+        plan.view.func.value = ast.Name(total, ast.Load())
+        viewed = _helper_call("viewed_output", call_param, ast.Name(total, ast.Load()), plan.view) if output else (
+            plan.view)
+        viewing.append((plan.statements, plan.statements[plan.index],
+                        located(ast.Assign([ast.Name(plan.total, ast.Store())], viewed), add)))
+    for k, (consumer, call) in enumerate(zip(plan.consumers, plan.calls)):
+        taken = _helper_call("take_normed", ast.Name(pending, ast.Load()), ast.Constant(k), call.func, call.args[0])
+        _replace(consumer, call, located(taken, call))
+    return plan.statements, plan.consumers[-1], pending
 
 
 def _rewrite_after(plan: AfterPlan) -> None:

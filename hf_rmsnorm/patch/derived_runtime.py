@@ -30,6 +30,47 @@ def norm_of_sum(norm: nn.Module, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return norm(total), total
 
 
+def norm_of_sum_first(a: Tensor, b: Tensor, layer: nn.Module, chosen: int | None,
+                      paths: tuple[tuple[str, ...], ...], call: handoff.LayerCall | None = None,
+                      ) -> tuple[tuple[int, nn.Module, Tensor] | None, Tensor]:
+    """``(pending, a + b)`` for a guarded site (``derived_sites``' "Norms under tests"): ``chosen`` is the index of
+    the first ``if`` whose test holds (None: none does), ``paths`` the norms' attribute paths from ``layer``; when
+    that norm's kernel can compute the add, ``pending`` is ``(chosen, norm, norm of the sum)`` from that kernel,
+    else None and the add is the plain one. An output site passes its ``call``: where no test holds, the sum is
+    the layer's output, computed by the next norm's kernel when the loop asked for it (``stream_sum``)."""
+    if chosen is None:
+        return None, handoff.add_residual(call, b, a)
+    norm = layer
+    for name in paths[chosen]:  # the lookup the original makes when it reaches that ``if``
+        norm = getattr(norm, name)
+    fused_call = _fused_call(norm, a, b)
+    if fused_call is None:
+        return None, a + b
+    normed, total = fused_call(b, residual=a)
+    return (chosen, norm, normed), total
+
+
+def viewed_output(call: handoff.LayerCall | None, total: Tensor, viewed: Tensor) -> Tensor:
+    """``viewed``, the original's view of its output sum ``total`` (OPT's ``(residual + h).view(shape)``), which
+    the layer returns: what it hands on becomes the normed sum viewed alike (``handoff.hand_on_viewed``)."""
+    handoff.hand_on_viewed(call, total, viewed)
+    return viewed
+
+
+def take_normed(pending: tuple[int, nn.Module, Tensor] | None, index: int, norm: nn.Module,
+                argument: Tensor) -> Tensor:
+    """``norm(argument)`` in the ``if`` ``index`` of a guarded site, ``argument`` the sum or a view of it: the
+    normed sum ``norm_of_sum_first`` computed for this ``if`` and this module, viewed as ``argument`` (a view that
+    keeps the rows, as a flattening does: the norm of each row), when it did."""
+    if pending is not None and pending[0] == index and pending[1] is norm:
+        normed = pending[2]
+        if normed.shape == argument.shape:
+            return normed
+        if normed.shape[-1:] == argument.shape[-1:] and normed.numel() == argument.numel():
+            return normed.view(argument.shape)
+    return norm(argument)
+
+
 def norm_of_add(norm: nn.Module, a: Tensor, b: Tensor) -> Tensor:
     """``norm(a + b)``, from one kernel when it can be."""
     return norm_of_sum(norm, a, b)[0]

@@ -16,6 +16,11 @@ The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, call
                     s = a + b; if T: B; return s          ->  s = stream_sum(call, a, b); if T: withdraw(call); B;
                                                               return s
     input norm:     ... F(x) ...  (x the input, or x.to(...)) ->  ... input_norm(call, F, x, x) ...
+    norms under tests:  s = a + b; [r = s | n = s.shape | v = s.reshape(-1, s.size(-1)) ...];
+                        if T0: y = F0(v); ... if Tk: y = Fk(v)  [...; return s]
+                            ->  pending, s = norm_of_sum_first(a, b, self, 0 if T0 else ... k if Tk else None,
+                                                               paths [, call]);
+                                ...; if T0: y = take_normed(pending, 0, F0, v); ...
 
 The output pattern also matches an add ending an ``if`` branch followed by the ``return``, and an add followed by
 an ``if`` whose test ``T`` only reads and compares (mBART's ``if hidden_states.dtype == torch.float16:``, whose
@@ -109,6 +114,40 @@ computes, and its adds stay inside the layer.
 
 7. *The layer's own statements.* Nested functions and classes are not looked into: an add there runs when they are
    called, and their ``return`` is not the layer's output.
+
+**Norms under tests.** OPT's decoder layer normalises before or after its adds as ``self.do_layer_norm_before``
+says, and flattens the stream between (``hidden_states.reshape(-1, hidden_states.size(-1))``, and its output
+``(residual + h).view(shape)``)::
+
+    h = residual + h
+    if not self.do_layer_norm_before: h = self.self_attn_layer_norm(h)    # post-LN (OPT-350m)
+    shape = h.shape; h = h.reshape(-1, h.size(-1)); residual = h
+    if self.do_layer_norm_before: h = self.final_layer_norm(h)            # pre-LN (the others)
+
+The sum (``s = a + b``, or ``s = (a + b).view(...)`` with arguments that only read) is read, past statements that
+bind an alias of it, its flattening (``v = s.reshape(-1, s.size(-1))`` or ``.view``, ``s.shape[-1]`` alike: its
+rows as a matrix) or its sizes (``n = s.shape``, ``n = s.size()``), by ``if`` statements each holding one norm
+call of one of those names, ``if T: y = F(v)``; the site's kind is ``"guarded"``, or ``"output"`` (its
+``alternatives`` the norms) where a ``return`` of one of the names ends the run, the layer's output when no test
+holds. The add's statement now evaluates the tests (``derived_syntax.tests_reads``: reads, comparisons and truth
+values of what they read, which run no code of the model) as the ``if`` statements would, lazily: ``0 if T0 else
+1 if T1 else None`` (a test only when every earlier one failed); the helper computes the sum with the norm of the
+first test that holds (``norm_of_sum_first``: looked up by its attribute path, as the original's ``self.<path>``),
+and that ``if``'s norm call takes it (``take_normed``, viewed as its argument), the other calls being the plain
+ones. Why that is exact:
+
+9. *The tests decide alike, and only what the rewrite evaluates runs before the norm.* Between the add and the
+   ``if`` of the first test that holds, the original runs only the bindings above, torch's views and size reads
+   (no code of the model), and the earlier tests, which failed (so their calls did not run). A test reads no name
+   the add or those statements bind (else refused): evaluated at the add, each test sees what it sees at its
+   ``if``, so the first that holds is the same. The norm chosen is that ``if``'s, the same module (``take_normed``
+   checks its identity), in the same state (nothing ran), applied to the same values: the sum, or a view of it
+   that keeps its rows (a norm normalises each row: the norm of the view is the view of the norm; ``take_normed``
+   checks the view keeps the last dimension). Where no test holds, no norm call runs, and an output site's sum
+   goes to the next norm as the output pattern's does (``stream_sum``; a view of it as ``handoff.hand_on_viewed``
+   says). Invariants 1 (the norm calls are in the forward's own statements, none deferred: an ``if`` body is no
+   nested scope), 3 (``a`` and ``b`` are evaluated first, as the original does) and 5 (no ``try``/``with`` block)
+   hold as for ``before``; a test evaluated earlier than at its ``if`` only reads.
 """
 
 from __future__ import annotations
@@ -120,28 +159,42 @@ from dataclasses import dataclass, field
 from . import derived_inline, derived_source
 from .derived_branches import sink_adds
 from .derived_syntax import (
-    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, loads, module_call, named, parents,
-    compares_reads, past_aliases, reads_only, returned_sum, self_name, statement_blocks, summed, walrus_targets,
+    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, flattened, item_path, loads,
+    module_call, named, parents, compares_reads, past_aliases, reads_only, returned_sum, self_name, shape_read,
+    statement_blocks, summed, tests_reads, viewed_sum, walrus_targets,
 )
 
 
 @dataclass(frozen=True)
 class AddSite:
     """A residual add of a layer's forward next to a norm: ``position`` is ``"before"`` (the norm reads the sum),
+    ``"guarded"`` (norms under ``if`` tests read the sum or its rows: the first whose test holds),
     ``"argument"`` (the sum is the norm's argument, ``F(a + b)``),
     ``"after"`` (the sum adds the norm's output) or ``"output"`` (the layer returns the sum); ``norm`` is the norm's
-    attribute path from the layer (empty for ``"output"``); ``line`` is the add's line in the source file;
+    attribute path from the layer (empty for ``"output"``; a ``"guarded"`` site's first, ``alternatives`` the
+    others, in the order the code tests them); ``line`` is the add's line in the source file;
     ``in_tuple``: an output returned first in a tuple (``return s, ...``), not alone."""
 
     position: str
     norm: tuple[str, ...]
     line: int
     in_tuple: bool = False
+    alternatives: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def norms(self) -> tuple[tuple[str, ...], ...]:
+        """The paths of the norms of the layer the add may go into (one but for a ``"guarded"`` site; none for an
+        output, or the guarded norms of one whose sum the layer returns where no test holds)."""
+        return (self.norm, *self.alternatives) if self.norm else self.alternatives
 
     @property
     def label(self) -> str:
-        where = {"before": "into", "argument": "into", "after": "after", "output": "layer output"}[self.position]
-        return f"residual add at line {self.line} ({where}{' ' + '.'.join(self.norm) if self.norm else ''})"
+        norms = " or ".join(".".join(norm) for norm in self.norms)
+        if self.position == "output" and norms:
+            return f"residual add at line {self.line} (into {norms} where a test holds, else layer output)"
+        where = {"before": "into", "guarded": "into", "argument": "into", "after": "after",
+                 "output": "layer output"}[self.position]
+        return f"residual add at line {self.line} ({where}{' ' + norms if norms else ''})"
 
 
 @dataclass(frozen=True)
@@ -172,11 +225,18 @@ class DerivedLayerKind:
 
     @property
     def inner_sites(self) -> tuple[AddSite, ...]:
-        return tuple(site for site in self.sites if site.position != "output")
+        """The sites whose add may go into a norm of the layer itself: all but the plain outputs (an output whose
+        sum a guarded norm may read first is one too)."""
+        return tuple(site for site in self.sites if site.norms)
 
     @property
     def fuses_inside(self) -> bool:
         return bool(self.inner_sites)
+
+    @property
+    def guarded_output(self) -> AddSite | None:
+        """The output site whose sum guarded norms of the layer may read first, if any (reported as one add)."""
+        return next((site for site in self.sites if site.position == "output" and site.norms), None)
 
     @property
     def hands_off_last_add(self) -> bool:
@@ -212,6 +272,22 @@ class BeforePlan:
     total: str
     consumer: ast.stmt
     call: ast.Call
+
+
+@dataclass(eq=False)
+class GuardedPlan:
+    """``s = a + b`` or ``s = (a + b).view(...)`` (``statements[index]``, ``view`` that call), then aliases,
+    flattenings and sizes of the sum, and ``consumers``: ``if T: y = F(v)`` statements and ``calls`` their norm
+    calls ``F(v)``, in order; an ``output`` site when a ``return`` of the sum follows."""
+
+    site: AddSite
+    statements: list[ast.stmt]
+    index: int
+    add: ast.BinOp
+    total: str
+    consumers: list[ast.If]
+    calls: list[ast.Call]
+    view: ast.Call | None = None
 
 
 @dataclass(eq=False)
@@ -270,7 +346,7 @@ class LayerAnalysis:
     """Everything ``analysed`` finds in one parse of a layer forward: the plans of its add sites, its input norm's
     calls, the refusals. The plans hold that parse's nodes, which ``derived_rewrite`` rewrites in place."""
 
-    plans: list[BeforePlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
+    plans: list[BeforePlan | GuardedPlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
     input_norm: FirstRead | None = None
     refusals: list[Refusal] = field(default_factory=list)
     inlining: derived_inline.Inlining = field(default_factory=derived_inline.Inlining)
@@ -388,6 +464,7 @@ class _Analysis:
         statements it spans, 0 for none."""
         return (
             self._before_norm(statements, i, enclosing)
+            or self._guarded_before(statements, i, enclosing)
             or self._after_norm(statements, i, enclosing)
             or self._output(statements, i, after, enclosing)
             or self._argument_sums(statements[i])
@@ -406,6 +483,8 @@ class _Analysis:
                 rewritten.add(id(plan.consumer))
             if isinstance(plan, (ArgumentPlan, OutputPlan)):
                 rewritten.add(id(plan.statement))
+            if isinstance(plan, GuardedPlan):
+                rewritten.update(id(s) for s in (plan.statements[plan.index], *plan.consumers))
         for plan in self.result.plans:
             if isinstance(plan, AfterPlan) and plan.consumer is not None and id(plan.consumer) in rewritten:
                 plan.consumer = plan.next_call = None
@@ -437,6 +516,62 @@ class _Analysis:
             return self._refuse(site, problem)
         self.result.plans.append(BeforePlan(site, statements, i, add, total, consumer, call))
         return 1
+
+    def _guarded_before(self, statements: list[ast.stmt], i: int, enclosing: tuple[str, ...]) -> int:
+        """``s = a + b`` read next, past aliases, flattenings (``v = s.reshape(-1, s.size(-1))``) and sizes of it,
+        by norms under ``if`` tests (module docstring: "Norms under tests")."""
+        found = viewed_sum(statements[i])
+        if found is None:
+            return 0
+        total, add, view = found
+        names, bound = {total}, {total}
+        consumers: list[tuple[ast.If, ast.Call]] = []
+        returned = None
+        for statement in statements[i + 1:]:
+            if isinstance(statement, ast.Return) and isinstance(statement.value, ast.Name):
+                returned = statement.value.id in names  # the layer returns the sum where no test holds
+                break
+            alias = assigned_name(statement)
+            if alias is not None and isinstance(statement.value, ast.Name) and statement.value.id in names:
+                names.add(alias)
+            elif (alias := flattened(statement, names)) is not None:
+                names.add(alias)
+            elif (alias := shape_read(statement, names)) is not None and alias not in names:
+                pass
+            elif (call := self._guarded_norm(statement, names)) is not None:
+                consumers.append((statement, call))
+                continue
+            else:
+                break
+            bound.add(alias)
+        if not consumers:
+            return 0
+        paths = [self._norm(call) for _, call in consumers]
+        if returned:
+            site = AddSite("output", (), add.lineno, alternatives=tuple(paths))
+        else:
+            site = AddSite("guarded", paths[0], add.lineno, alternatives=tuple(paths[1:]))
+        if enclosing:  # invariant 5
+            return self._refuse(site, f"it sits in a {enclosing[-1]} block, which could go on after the norm raised "
+                                      "and read the sum")
+        reading = next((n.id for statement, _ in consumers for n in loads(statement.test, bound)), None)
+        if reading is not None:  # invariant 9
+            return self._refuse(site, f"a test reads {reading}, which the statements after the add bind")
+        self.result.plans.append(GuardedPlan(site, statements, i, add, total, [c for c, _ in consumers],
+                                             [call for _, call in consumers], view))
+        return 1
+
+    def _guarded_norm(self, statement: ast.stmt, names: set[str]) -> ast.Call | None:
+        """``F(v)`` of ``if T: y = F(v)`` (nothing else in the ``if``), ``F`` a norm reached by attributes,
+        ``v`` one of ``names``, ``T`` a test that only reads (``tests_reads``)."""
+        if not (isinstance(statement, ast.If) and not statement.orelse and len(statement.body) == 1
+                and tests_reads(statement.test) and assigned_name(statement.body[0]) is not None):
+            return None
+        call = statement.body[0].value
+        if (self._norm(call) is None or item_path(call.func, self.self_name) != self._norm(call)
+                or not (isinstance(call.args[0], ast.Name) and call.args[0].id in names)):
+            return None
+        return call
 
     def _norm_reading(self, statements: list[ast.stmt], i: int, total: str,
                       enclosing: tuple[str, ...]) -> tuple[ast.stmt, ast.Call, str | None] | None:

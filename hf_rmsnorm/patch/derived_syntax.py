@@ -68,6 +68,21 @@ def summed(statement: ast.stmt) -> tuple[str, ast.BinOp] | None:
     return None
 
 
+def viewed_sum(statement: ast.stmt) -> tuple[str, ast.BinOp, ast.Call | None] | None:
+    """``(s, a + b, None)`` for ``s = a + b``; ``(s, a + b, v)`` for ``s = (a + b).view(...)`` or ``.reshape(...)``
+    (``v`` that call) whose arguments only read (``reads_only``)."""
+    found = summed(statement)
+    if found is not None:
+        return (*found, None)
+    name = assigned_name(statement)
+    call = statement.value if name is not None else None
+    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in ("view", "reshape")
+            and isinstance(call.func.value, ast.BinOp) and isinstance(call.func.value.op, ast.Add)
+            and not call.keywords and all(reads_only(a) for a in call.args)):
+        return name, call.func.value, call
+    return None
+
+
 def statement_blocks(statement: ast.stmt) -> list[list[ast.stmt]]:
     """The statement lists nested in ``statement`` in source order: the bodies, ``else`` and ``finally`` blocks and
     handlers of an ``if``, a loop, a ``with`` or a ``try``; none for a nested function or class (another scope)."""
@@ -212,6 +227,56 @@ def compares_reads(test: ast.expr) -> bool:
     return isinstance(test, ast.Compare) and all(
         isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)) for op in test.ops
     ) and all(reads_only(operand) for operand in (test.left, *test.comparators))
+
+
+def tests_reads(test: ast.expr) -> bool:
+    """Whether ``test`` is ``compares_reads``' or the truth of a value it only reads (``reads_only``: OPT's
+    ``self.do_layer_norm_before``), under ``not``, ``and`` and ``or``: a flag, a number or None tested, which calls
+    no code of the model, as a comparison of such values does not."""
+    if isinstance(test, ast.BoolOp):
+        return all(tests_reads(value) for value in test.values)
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return tests_reads(test.operand)
+    return compares_reads(test) or (reads_only(test) and not isinstance(test, (ast.Tuple, ast.List, ast.Starred)))
+
+
+def flattened(statement: ast.stmt, names: set[str]) -> str | None:
+    """``v`` for ``v = s.reshape(-1, s.size(-1))`` or ``v = s.view(-1, s.size(-1))`` (``s.shape[-1]`` alike),
+    ``s`` one of ``names``: the rows of ``s`` as a matrix, in their order."""
+    target = assigned_name(statement)
+    call = statement.value if target is not None else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and call.func.attr in ("reshape", "view") and isinstance(call.func.value, ast.Name)
+            and call.func.value.id in names and not call.keywords and len(call.args) == 2
+            and _is_minus_one(call.args[0])):
+        return None
+    source, width = call.func.value.id, call.args[1]
+    if isinstance(width, ast.Call) and len(width.args) == 1 and not width.keywords:  # s.size(-1)
+        of, index = width.func, width.args[0]
+        width_of = of.value if isinstance(of, ast.Attribute) and of.attr == "size" else None
+    elif isinstance(width, ast.Subscript):  # s.shape[-1]
+        of, index = width.value, width.slice
+        width_of = of.value if isinstance(of, ast.Attribute) and of.attr == "shape" else None
+    else:
+        return None
+    same = isinstance(width_of, ast.Name) and width_of.id == source
+    return target if same and _is_minus_one(index) else None
+
+
+def shape_read(statement: ast.stmt, names: set[str]) -> str | None:
+    """``n`` for ``n = s.shape`` or ``n = s.size()``, ``s`` one of ``names`` (its sizes, read)."""
+    target = assigned_name(statement)
+    value = statement.value if target is not None else None
+    if isinstance(value, ast.Call) and not value.args and not value.keywords:
+        value = value.func if isinstance(value.func, ast.Attribute) and value.func.attr == "size" else None
+    elif not (isinstance(value, ast.Attribute) and value.attr == "shape"):
+        value = None
+    return target if value is not None and isinstance(value.value, ast.Name) and value.value.id in names else None
+
+
+def _is_minus_one(node: ast.expr) -> bool:
+    return (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant)
+            and type(node.operand.value) is int and node.operand.value == 1)
 
 
 def located(node: ast.AST, where: ast.AST) -> ast.AST:

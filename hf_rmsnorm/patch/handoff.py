@@ -39,7 +39,8 @@ Why this computes the unpatched function, and its gradients, exactly:
   states. A normed sum is taken only by the module it was made for (the loop checks the consumer's identity) and
   only from the same sum's dtype, device and shape (a ``.to(...)`` the code applies first changes none of its
   values then); it is handed on only when the layer returns that very sum, or a tuple beginning with it
-  (``run_layer`` checks the identity at every call).
+  (``run_layer`` checks the identity at every call), or a view of it that keeps its rows, with the normed sum
+  viewed alike (``hand_on_viewed``: OPT's ``(residual + h).view(shape)``).
 * Whatever else could see or change the hidden state between the two modules makes the loop call both plainly
   (``foreign_code``): a forward hook, pre-hook or backward hook (module or global) on the layer, the next layer or
   the norm, other than transformers' read-only output recorders and the conversion's own centring pre-hook on a
@@ -184,6 +185,20 @@ def add_normed_residual(call: LayerCall | None, norm: nn.Module, x: Tensor, resi
     normed, total = sandwich.fused_pair(norm, x, residual, next_norm)
     call.hand_on(normed, total)
     return total
+
+
+def hand_on_viewed(call: LayerCall | None, total: Tensor, viewed: Tensor) -> None:
+    """Hands on, in place of the normed ``total``, that normed sum viewed as ``viewed`` (a view of ``total``, which
+    the layer returns): the norm of a view that keeps each row (the last dimension, the dtype and the number of
+    elements; a contiguous sum's rows in their order) is the same view of the norm. Any other view hands nothing
+    on."""
+    if call is None or call.sum is not total or call.normed_output is None:
+        return
+    if (isinstance(viewed, Tensor) and viewed.dtype == total.dtype and viewed.numel() == total.numel()
+            and viewed.shape[-1:] == total.shape[-1:] and total.is_contiguous()):
+        call.hand_on(call.normed_output.view(viewed.shape), viewed)
+    else:
+        withdraw(call)
 
 
 def kernel_adds(a: object, b: object) -> bool:

@@ -419,7 +419,8 @@ def _plan_derived_layers(
                 (name, f"its forward is derived: no registered shape fits ({registered_problem})"))
         plan.report.skipped.extend((name, refusal.text) for refusal in code.refusals)
         for site in kind.inner_sites:
-            plan.report.fused_adds.append(f"{name}: {site.label} -> {norms[paths[site.norm]]}")
+            plan.report.fused_adds.append(f"{name}: {site.label} -> "
+                                          + " or ".join(norms[paths[norm]] for norm in site.norms))
 
 
 def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Module, str], plan: _Plan) -> None:
@@ -590,7 +591,12 @@ def _plan_handoffs(
             layer_name, layer_kind = layers[layer]
             line = f"{layer_name}: {layer_kind.handoff_label} -> "
             inside = layer_kind.last_add_inside
-            if inside is None:
+            guarded = getattr(layer_kind, "guarded_output", None)
+            if guarded is not None:  # reported with the layer's own norms it may go into: else the next norm
+                reported = next(k for k, text in enumerate(plan.report.fused_adds)
+                                if text.startswith(f"{layer_name}: {guarded.label} -> "))
+                plan.report.fused_adds[reported] += f", else {norms[target.norm]}"
+            elif inside is None:
                 plan.report.fused_adds.append(f"{line}{norms[target.norm]}"
                                               + while_inactive(layer_kind.handoff_dropout))
             else:  # an add already reported inside the layer: one add, now with the next norm too

@@ -18,7 +18,9 @@ from transformers import CONFIG_MAPPING
 from derived_toys import ToyDecoderLayer, ToyModel, sites, stack_layout, states, toy_model
 from family_cases import CASES, DERIVED, names
 from harness import residual_census
-from patch_models import Parity, assert_patch_keeps_greedy_tokens
+from patch_models import (
+    Parity, assert_outputs_and_gradients_alike, assert_patch_keeps_greedy_tokens, fused_and_unfused,
+)
 from hf_rmsnorm import check_model, patch_model, unpatch_model
 from hf_rmsnorm.patch import derived_rewrite, derived_runtime, derived_sites, fused, handoff
 from hf_rmsnorm.patch.derived_sites import AddSite
@@ -445,3 +447,102 @@ def test_a_sum_as_a_norm_argument_is_fused_in_place():
     assert len(report.fused_adds) == 2 * len(model.layers)
     assert residual_census.fused_adds(model, lambda m: m(x)) == 2 * len(model.layers)
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)  # fp32 reductions in another order
+
+
+# ----------------------------------------------------------------------------------- norms under tests (OPT's form)
+
+
+class ToyFlaggedLayer(ToyDecoderLayer):
+    """OPT's form: each norm under a test of a flag (before or after its add), the sum flattened between, the
+    output a view of the sum."""
+
+    norm_first = True
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        residual = hidden_states
+        if self.norm_first:
+            hidden_states = self.input_layernorm(hidden_states)
+        hidden_states = residual + self.mixer(hidden_states) * scale
+        if not self.norm_first:
+            hidden_states = self.input_layernorm(hidden_states)
+        shape = hidden_states.shape
+        hidden_states = hidden_states.reshape(-1, hidden_states.size(-1))
+        residual = hidden_states
+        if self.norm_first:
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        hidden_states = self.mlp(hidden_states)
+        hidden_states = (residual + hidden_states).view(shape)
+        if not self.norm_first:
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        return hidden_states
+
+
+def _flagged(norm_first: bool, dtype: torch.dtype = torch.float32) -> ToyModel:
+    model = toy_model(ToyFlaggedLayer, dtype)
+    for layer in model.layers:
+        layer.norm_first = norm_first
+    return model
+
+
+def test_norms_under_tests_are_read_through_flattenings_and_views():
+    lines = ToyFlaggedLayer.forward.__code__.co_firstlineno
+    norms = (("input_layernorm",), ("post_attention_layernorm",))
+    assert sites(ToyFlaggedLayer) == (
+        AddSite("guarded", norms[0], lines + 4, alternatives=norms[1:]),
+        AddSite("output", (), lines + 13, alternatives=norms[1:]),
+    )
+    report = patch_model(_flagged(True))
+    assert report.fused_adds == [
+        line for i, following in enumerate(["layers.1.input_layernorm", "norm"]) for line in (
+            f"layers.{i}: residual add at line {lines + 4} (into input_layernorm or post_attention_layernorm) -> "
+            f"layers.{i}.input_layernorm or layers.{i}.post_attention_layernorm",
+            f"layers.{i}: residual add at line {lines + 13} (into post_attention_layernorm where a test holds, else "
+            f"layer output) -> layers.{i}.post_attention_layernorm, else {following}",
+        )
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre-norm", "post-norm"])
+def test_norms_under_tests_fuse_every_add_with_the_unfused_values_and_gradients(norm_first, dtype, monkeypatch):
+    """Pre-norm: each attention add into the flattened sum's norm, each output (a view) into the next norm; post-norm:
+    each add into the norm after it. The values and gradients of the adds apart, bit for bit (fp32: gradients too)."""
+    _, fused, unfused = fused_and_unfused(_flagged(norm_first, dtype), monkeypatch)
+    x = states(dtype)
+    assert residual_census.fused_adds(fused, lambda m: m(x)) == 4
+    assert_outputs_and_gradients_alike(fused, unfused, x, gradients=dtype == torch.float32)
+
+
+def test_a_flag_changed_after_patching_is_followed(monkeypatch):
+    """No hidden state: the tests are evaluated at every call, so a layer switched to post-norm after patching
+    computes as the unfused post-norm layer (and fuses its adds into the norms after them)."""
+    _, fused, unfused = fused_and_unfused(_flagged(True), monkeypatch)
+    x = states()
+    for norm_first in (False, True):
+        for m in (fused, unfused):
+            for layer in m.layers:
+                layer.norm_first = norm_first
+        with torch.no_grad():
+            assert torch.equal(fused(x), unfused(x))
+        assert residual_census.fused_adds(fused, lambda m: m(x)) == 4
+
+
+def test_a_hooked_norm_under_a_test_gets_the_flattened_sum_as_the_original(monkeypatch):
+    """layers.0's attention add (into the hooked norm) stays apart, and the hook sees the flattened sum; the other
+    three adds stay fused."""
+    _, fused, unfused = fused_and_unfused(_flagged(True), monkeypatch)
+    x = states()
+    seen, outputs = {}, {}
+    for name, m in (("fused", fused), ("unfused", unfused)):
+        seen[name] = []
+        handle = m.layers[0].post_attention_layernorm.register_forward_pre_hook(
+            lambda module, args, into=seen[name]: into.append(args[0]))
+        with torch.no_grad():
+            outputs[name] = m(x)
+        handle.remove()
+    assert torch.equal(outputs["fused"], outputs["unfused"])
+    assert seen["fused"][0].shape == (x.shape[0] * x.shape[1], x.shape[2])
+    assert torch.equal(seen["fused"][0], seen["unfused"][0])
+    handle = fused.layers[0].post_attention_layernorm.register_forward_pre_hook(lambda module, args: None)
+    assert residual_census.fused_adds(fused, lambda m: m(x)) == 3
+    handle.remove()

@@ -4,17 +4,15 @@ toys breaking each, which keep their adds apart and compute as the unfused patch
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 from derived_toys import HIDDEN, states, toy_model
-from patch_models import patch_unfused
+from patch_models import assert_outputs_and_gradients_alike, fused_and_unfused
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from harness import residual_census
-from hf_rmsnorm import patch_model
 from hf_rmsnorm.patch import derived_blocks
 
 
@@ -114,11 +112,7 @@ REFUSED = {
 
 
 def _fused_and_unfused(block: type, monkeypatch, dtype: torch.dtype = torch.float32):
-    model = toy_model(block, dtype, ToyBlockModel)
-    fused, unfused = copy.deepcopy(model), copy.deepcopy(model)
-    report = patch_model(fused)
-    patch_unfused(unfused, monkeypatch)
-    return report, fused, unfused
+    return fused_and_unfused(toy_model(block, dtype, ToyBlockModel), monkeypatch)
 
 
 def test_a_block_reads_its_sublayer_calls():
@@ -139,16 +133,7 @@ def test_a_block_hands_each_sublayer_sum_on_with_the_unfused_results(dtype, monk
     ]
     x = states(dtype)
     assert residual_census.fused_adds(fused, lambda m: m(x)) == 4
-    results = []
-    for m in (fused, unfused):
-        inputs = x.clone().requires_grad_()
-        out = m(inputs)
-        out.float().square().mean().backward()
-        results.append((out.detach(), inputs.grad, [p.grad for p in m.parameters()]))
-    assert torch.equal(results[0][0], results[1][0])
-    if dtype == torch.float32:
-        assert torch.equal(results[0][1], results[1][1])
-        assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))
+    assert_outputs_and_gradients_alike(fused, unfused, x, gradients=dtype == torch.float32)
 
 
 def test_a_hook_on_a_sublayer_makes_the_plain_calls_around_it(monkeypatch):

@@ -171,6 +171,25 @@ class _NestedOutputLayer(ToyDecoderLayer):
         return branch(hidden_states) - scale
 
 
+# ----------------------------------------------------------------------------------- 9. the tests decide alike
+
+
+class _TestReadingABindingLayer(ToyDecoderLayer):
+    """A norm's test reads a name a statement after the add binds: evaluated at the add, ``marker is not None``
+    fails, so the second norm would be chosen, which then reads the first norm's output, not the sum."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        marker = None
+        residual = hidden_states
+        hidden_states = residual + self.mixer(hidden_states)
+        marker = hidden_states.shape
+        if marker is not None:
+            hidden_states = self.input_layernorm(hidden_states)
+        if scale:
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        return residual + self.mlp(hidden_states)
+
+
 # (layer, what the refusal says, the layer's modules whose calls are recorded, the module made to raise)
 BROKEN = {
     "1 deferred": (_DeferredLayer, "the norm call sits in a lambda", (), None),
@@ -187,6 +206,8 @@ BROKEN = {
     "5 try": (_OverriddenReturnLayer, "it sits in a try block, whose finally could return", (), None),
     "6 read again": (_ReadAgainLayer, "normed, which the rewrite no longer binds, is read or deleted elsewhere",
                      (), None),
+    "9 test reads a binding": (_TestReadingABindingLayer, "a test reads marker, which the statements after the add "
+                               "bind", (), None),
 }
 
 

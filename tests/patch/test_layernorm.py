@@ -456,8 +456,8 @@ def test_sequential_blocks_fuse_their_residual_adds(family):
         assert all(" layer output -> " in line for line in report.fused_adds)
     elif case.parallel:
         assert all(" parallel residual -> " in line for line in report.fused_adds)
-    elif case.derived_forward:
-        assert sum(" layer output -> " in line for line in report.fused_adds) == case.adds // 2
+    elif case.derived_forward:  # OPT's: "... (into final_layer_norm where a test holds, else layer output) -> ..."
+        assert sum("layer output" in line for line in report.fused_adds) == case.adds // 2
     elif case.adds:
         assert sum(" mlp residual -> " in line for line in report.fused_adds) == case.adds // 2
     # Without and with autograd (the handoff between layers runs in both, LayerNorm mode) exact.
@@ -698,3 +698,98 @@ def test_layernorm_variants_are_patched_exactly(name, dtype):
     assert torch.equal(total, x + r) and got.dtype == eager.dtype
     scale = truth.abs().max().item()
     assert err(got, truth) <= err(eager, truth) + torch.finfo(dtype).eps * scale
+
+
+# ----------------------------------------------------------------------------------- OPT: norms under tests
+
+
+@pytest.mark.parametrize("mode", ["eager", "checkpointed", "checkpointed reentrant", "compiled"])
+@pytest.mark.parametrize("pre_ln", [True, False], ids=["pre-LN", "post-LN"])
+def test_opt_fuses_every_add_with_the_logits_and_gradients_of_the_adds_apart(pre_ln, mode, monkeypatch):
+    """OPT's norms read its sums under ``if self.do_layer_norm_before`` and through a flattening, its output add
+    through a view (derived_sites' "Norms under tests"): all four adds fused, pre-LN (125m, 1.3b...) and post-LN
+    (350m) alike, in training with dropout (its masks drawn in the original order), checkpointed either way, or
+    compiled in one graph (in eval mode: before transformers 5.24 OPT draws its LayerDrop in training, which Dynamo
+    cannot trace); the logits and every gradient those of the same kernels with the adds apart, bit for bit."""
+    from patch_models import fused_and_unfused, training_step
+
+    report, fused, unfused = fused_and_unfused(tiny("opt", do_layer_norm_before=pre_ln), monkeypatch)
+    assert len(report.fused_adds) == 4
+    x = ids(seq=6)
+    results = []
+    for m in (fused, unfused):
+        runner = m if mode == "compiled" else m.train()
+        if mode.startswith("checkpointed"):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode.endswith("reentrant")})
+        torch._dynamo.reset()
+        if mode == "compiled":
+            runner = torch.compile(m, backend="aot_eager", fullgraph=True)
+        torch.manual_seed(0)
+        results.append(training_step(m, x, runner))
+    (count, got, grads), (unfused_count, expected, expected_grads) = results
+    assert (count, unfused_count) == (4, 0)
+    assert torch.equal(got, expected)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pre_ln", [True, False], ids=["pre-LN", "post-LN"])
+def test_opt_counts_every_add_next_to_a_norm_as_fused_with_parity(pre_ln, dtype, monkeypatch):
+    """The residual census sees OPT's four adds next to norms (through the flattening and the view) and the patched
+    model fuses them all; logits bitwise those of the adds apart, and no less accurate than eager against fp64."""
+    from patch_models import patch_unfused
+
+    from harness import residual_census
+
+    model = tiny("opt", dtype, do_layer_norm_before=pre_ln)
+    x = ids()
+    truth = logits(copy.deepcopy(model).double(), x)
+    eager = logits(model, x)
+    norms = {m for m in model.modules() if type(m) is nn.LayerNorm}
+    run = lambda m: m(x)  # noqa: E731
+    next_to_norms = residual_census.adds_next_to_norms(model, run, norms, 64)
+    unfused = copy.deepcopy(model)
+    patch_unfused(unfused, monkeypatch)
+    patch_model(model)
+    assert residual_census.fused_adds(model, run) == len(next_to_norms) == 4
+    assert residual_census.unfused_sites(model, run, next_to_norms, 64) == []
+    patched = logits(model, x)
+    assert torch.equal(patched, logits(unfused, x))
+    _assert_no_worse_than_eager(patched, eager, truth, dtype)
+
+
+# (the hooked module, the hook kind) -> the adds still fused, of four: each layer's attention add (inside it, unless
+# a hook watches its norm) and the two layer outputs handed on (layer 0's to layer 1, layer 1's to the final norm).
+OPT_HOOKED = {
+    ("model.decoder.layers.0.final_layer_norm", "pre"): 3,
+    ("model.decoder.layers.1", "pre"): 2,
+    ("model.decoder.layers.1", "forward"): 2,
+    ("model.decoder.final_layer_norm", "forward"): 3,
+}
+
+
+@pytest.mark.parametrize("target, kind", list(OPT_HOOKED))
+def test_opt_hooks_on_a_norm_or_a_layer_get_the_plain_calls(target, kind, monkeypatch):
+    from patch_models import fused_and_unfused
+
+    from harness import residual_census
+
+    _, fused, unfused = fused_and_unfused(tiny("opt"), monkeypatch)
+    x = ids()
+    seen = {}
+    for name, m in (("fused", fused), ("unfused", unfused)):
+        seen[name] = []
+        module = m.get_submodule(target)
+        if kind == "pre":
+            handle = module.register_forward_pre_hook(lambda mod, args, into=seen[name]: into.append(args[0]))
+        else:
+            handle = module.register_forward_hook(lambda mod, args, out, into=seen[name]: into.append(out))
+        seen[name].append(logits(m, x))
+        if name == "fused":
+            assert residual_census.fused_adds(m, lambda model: model(x)) == OPT_HOOKED[target, kind]
+        handle.remove()
+    assert len(seen["fused"]) == 3 and len(seen["unfused"]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["fused"], seen["unfused"]))
+    assert residual_census.fused_adds(fused, lambda model: model(x)) == 4
