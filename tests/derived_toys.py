@@ -75,3 +75,34 @@ def stack_layout(cls: type) -> tuple[str, str | None] | None:
     """``(layers, final norm)`` that ``derived_loops`` reads in ``cls``'s forward."""
     forward = derived_source.class_forward(cls)
     return derived_loops.stack_layout(derived_loops.stack_loops(forward, forward.node))
+
+
+class AddingSublayer(nn.Module):
+    """A sublayer whose one residual add is its output (BLOOM's attention and MLP, without ``dropout_add``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        out = self.proj(hidden_states)
+        return residual + out
+
+
+class SublayerDecoderLayer(nn.Module):
+    """A layer whose adds sit in its sublayers (BLOOM's block): the attention's sum read by the layer's norm, the
+    MLP's returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
+        self.post_attention_layernorm = LlamaRMSNorm(HIDDEN, eps=1e-6)
+        self.attention = AddingSublayer()
+        self.feed_forward = AddingSublayer()
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        attention_output = self.attention(normed, hidden_states)
+        normed = self.post_attention_layernorm(attention_output)
+        output = self.feed_forward(normed, attention_output)
+        return output

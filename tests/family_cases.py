@@ -162,6 +162,13 @@ CASES: dict[str, FamilyCase] = {
     "longcat_flash": _derived("longcat_flash", 8),
     "glm_moe_dsa": _derived("glm_moe_dsa", 4),
     "xlstm": _derived("xlstm", 4),
+    # BLOOM's adds sit in its attention and MLP (``dropout_add``, inlined), whose sums the block's own norm reads
+    # or the block returns (derived_sites' "Sublayer outputs"); test_layernorm's BLOOM tests build it from this
+    # config, the derived parity test from coverage's.
+    "bloom": FamilyCase("bloom", {DERIVED}, dict(hidden_size=64, n_layer=2, n_head=4), norms=6, adds=4,
+                        derived_forward=True),
+    # MPT's MLP returns its add too (``output + residual``), which its block returns: into the next block's norm.
+    "mpt": _derived("mpt", 4),
 }
 
 

@@ -19,7 +19,8 @@ from . import derived_blocks, derived_runtime, derived_source, handoff
 from .derived_blocks import DerivedBlockKind
 from .derived_loops import StackLoop, stack_layout, stack_loops
 from .derived_sites import (
-    AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, GuardedPlan, OutputPlan, analysed, signature_problem,
+    AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, GuardedPlan, OutputPlan, SublayerPlan, analysed,
+    signature_problem,
 )
 from .derived_syntax import compares_reads, located, self_name
 
@@ -45,7 +46,7 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
     problem = signature_problem(function)
     if problem is not None:
         raise ValueError(f"cannot derive a fused forward for {base.__qualname__}: {problem}")
-    analysis = analysed(forward, function, kind.norms)
+    analysis = analysed(forward, function, kind.norms, kind.sublayers)
     found_sites = {plan.site for plan in analysis.plans}
     missing = [site.label for site in kind.sites if site not in found_sites]
     if missing:
@@ -66,6 +67,10 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
             frees.append(_rewrite_chained_after(plan))
         elif isinstance(plan, AfterPlan):
             _rewrite_after(plan)
+        elif isinstance(plan, SublayerPlan):
+            freed = _rewrite_sublayer(plan, self_name(function))
+            if freed is not None:
+                frees.append(freed)
         elif isinstance(plan, ArgumentPlan):
             _replace(function, plan.call,
                      located(_helper_call("norm_of_add", plan.call.func, plan.add.left, plan.add.right), plan.call))
@@ -160,6 +165,28 @@ def _drop_norm_binding(plan: AfterPlan) -> None:
     # ``y = F(e)`` of the two-statement form -> ``pass``: the helper calls the norm.
     if plan.dropped is not None:
         plan.statements[plan.dropped] = located(ast.Pass(), plan.statements[plan.dropped])
+
+
+def _rewrite_sublayer(plan: SublayerPlan, self_name_: str) -> tuple[list[ast.stmt], ast.stmt, str] | None:
+    """``T = self.<path>(args)`` -> ``T, handed = sublayer_into(self, self.<path>, args)`` and ``F(s)`` in the
+    consumer -> ``take_handed(handed, F, s)`` (returns what to free after the consumer); for the layer's output,
+    ``T = sublayer_output(call, self, self.<path>, args)``."""
+    statement, call = plan.statements[plan.index], plan.call
+    layer = ast.Name(self_name_, ast.Load())
+    if plan.consumer is None:
+        helper = _helper_call("sublayer_output", ast.Name(handoff.CALL_PARAM, ast.Load()), layer, call.func,
+                              *call.args)
+        helper.keywords = call.keywords
+        statement.value = located(helper, call)
+        return None
+    handed = f"{_NORMED}{call.lineno}_{call.col_offset}"
+    helper = _helper_call("sublayer_into", layer, call.func, *call.args)
+    helper.keywords = call.keywords
+    targets = ast.Tuple([statement.targets[0], ast.Name(handed, ast.Store())], ast.Store())
+    plan.statements[plan.index] = located(ast.Assign([targets], located(helper, call)), statement)
+    taken = _helper_call("take_handed", ast.Name(handed, ast.Load()), plan.norm_call.func, plan.norm_call.args[0])
+    _replace(plan.consumer, plan.norm_call, located(taken, plan.norm_call))
+    return plan.statements, plan.consumer, handed
 
 
 def _rewrite_output(plan: OutputPlan) -> None:

@@ -104,5 +104,6 @@ def stream_sum(call: handoff.LayerCall | None, a: Tensor, b: Tensor) -> Tensor:
 input_norm, final_norm, withdraw = handoff.input_norm, handoff.final_norm, handoff.withdraw
 call_layer, layers_with_next = handoff.call_layer, handoff.layers_with_next
 block_input, call_sublayer = handoff.block_input, handoff.call_sublayer
+sublayer_into, take_handed, sublayer_output = handoff.sublayer_into, handoff.take_handed, handoff.sublayer_output
 # The guard of each inlined call of a residual add function (``derived_inline.py``).
 runs_inlined = derived_inline.runs_inlined

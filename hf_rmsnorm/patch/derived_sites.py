@@ -21,6 +21,11 @@ The patterns, in the layer's own names (``F`` is ``self.<attribute path>``, call
                             ->  pending, s = norm_of_sum_first(a, b, self, 0 if T0 else ... k if Tk else None,
                                                                paths [, call]);
                                 ...; if T0: y = take_normed(pending, 0, F0, v); ...
+    sublayer outputs:  T = self.<path>(...); [r = s ...]; ... F(s) ...   (``s`` is ``T``, or ``T``'s first name)
+                            ->  T, handed = sublayer_into(self, self.<path>, ...); [r = s];
+                                ... take_handed(handed, F, s) ...
+                        T = self.<path>(...); return s  (return s, ...)
+                            ->  T = sublayer_output(call, self, self.<path>, ...); return s
 
 The output pattern also matches an add ending an ``if`` branch followed by the ``return``, and an add followed by
 an ``if`` whose test ``T`` only reads and compares (mBART's ``if hidden_states.dtype == torch.float16:``, whose
@@ -148,6 +153,45 @@ ones. Why that is exact:
    says). Invariants 1 (the norm calls are in the forward's own statements, none deferred: an ``if`` body is no
    nested scope), 3 (``a`` and ``b`` are evaluated first, as the original does) and 5 (no ``try``/``with`` block)
    hold as for ``before``; a test evaluated earlier than at its ``if`` only reads.
+
+**Sublayer outputs.** BLOOM's block calls its attention and MLP with their residual, and each returns its own
+output add (``dropout_add``, inlined: ``derived_inline.py``)::
+
+    attention_output, attn_weights = self.self_attention(layernorm_output, residual, ...)
+    layernorm_output = self.post_attention_layernorm(attention_output)
+    ...
+    output = self.mlp(layernorm_output, residual)
+    return output, attn_weights
+
+A *sublayer* is a module the layer calls as ``self.<path>(...)`` (attributes only), binding its output to a name
+``s`` (alone, or first of a tuple target), whose class's derived forward has output sites only, no refusal, one
+return form (the planner's ``_sublayer_candidates``; it is patched as a derived layer of its own, which hands its
+output sum on as a stack's layer does: ``handoff.run_layer``). The sum ``s`` is read next, past aliases, by a norm
+call ``F(s)`` of the layer as a ``before`` site's sum is (``_norm_reading``: invariants 1, 2 and 5), or returned by
+the layer (``return s`` or ``return s, ...``: the layer's output). The sublayer call becomes a helper call
+(``handoff.sublayer_into``, ``handoff.sublayer_output``) that calls the same sublayer with the same arguments, and
+the consumer's ``F(s)`` becomes ``take_handed(handed, F, s)``. Why that is exact:
+
+10. *The norm of the very sum, by the very norm, with nothing run in between.* The helper's arguments are ``self``
+    (a name), ``self.<path>`` (a lookup, which runs nothing) and the call's own arguments, as written and in their
+    order (positional, starred and keyword alike): the sublayer receives what the original call gives it. Its
+    output add is computed by ``F``'s kernel (``F``'s own fused forward, the module the layer's links name, found
+    in its parent at every call: ``handoff.foreign_code``), and the sublayer returns its usual output with the
+    normed sum appended (taken off again by the helper) only when it returns that very sum, alone or first
+    (``run_layer`` checks the identity at every call). Between that add and the original's ``F(s)`` run only the
+    rest of the sublayer's forward after its output add (the output pattern: a ``return``, or branches that
+    withdraw the normed sum), the binding of ``T``, aliases (bindings), and the consumer's reads before ``F(s)``
+    (2): nothing that runs code of the model, so ``F`` is in the same state and ``s`` holds the same values.
+    ``take_handed`` returns the normed sum only when the module it is given is the norm that made it and its
+    argument is that very sum (identities, at every call), else calls ``F(s)``: a module put at ``self.<F>`` after
+    patching, or a rebound ``s``, gets the original call. An exception ``F``'s kernel raises now comes from the
+    sublayer's statement, before ``T`` is bound: refused inside ``try`` and ``with`` blocks (5), as a norm call in
+    a nested scope or a conditional is (1). The layer's output form hands the sum to the norm the layer's own call
+    was asked to hand on to (the stack checked the layer and that norm), the sublayer checked as a handing layer
+    is; ``run_layer`` hands it on only when the layer returns that very sum. A hook on the sublayer or the norm,
+    an accelerate hook, a sublayer whose class or forward was changed after patching, or another module at
+    ``self.<path>`` (the links are keyed by the sublayer module itself) makes the plain call
+    (``handoff.foreign_code``).
 """
 
 from __future__ import annotations
@@ -159,8 +203,8 @@ from dataclasses import dataclass, field
 from . import derived_inline, derived_source
 from .derived_branches import sink_adds
 from .derived_syntax import (
-    COMPREHENSIONS, assigned_name, conditional_in, deferred_by, evaluated_before, flattened, item_path, loads,
-    module_call, named, parents, compares_reads, past_aliases, reads_only, returned_sum, self_name, shape_read,
+    COMPREHENSIONS, assigned_name, attribute_path, conditional_in, deferred_by, evaluated_before, flattened, item_path,
+    loads, module_call, named, parents, compares_reads, past_aliases, reads_only, returned_sum, self_name, shape_read,
     statement_blocks, summed, tests_reads, viewed_sum, walrus_targets,
 )
 
@@ -180,6 +224,7 @@ class AddSite:
     line: int
     in_tuple: bool = False
     alternatives: tuple[tuple[str, ...], ...] = ()
+    sublayer: tuple[str | int, ...] = ()
 
     @property
     def norms(self) -> tuple[tuple[str, ...], ...]:
@@ -190,6 +235,9 @@ class AddSite:
     @property
     def label(self) -> str:
         norms = " or ".join(".".join(norm) for norm in self.norms)
+        if self.sublayer:
+            called = ".".join(str(step) for step in self.sublayer)
+            return f"output add of {called} (line {self.line}: {'into ' + norms if norms else 'layer output'})"
         if self.position == "output" and norms:
             return f"residual add at line {self.line} (into {norms} where a test holds, else layer output)"
         where = {"before": "into", "guarded": "into", "argument": "into", "after": "after",
@@ -216,6 +264,7 @@ class DerivedLayerKind:
     sites: tuple[AddSite, ...]
     input_norm: str | None
     norms: frozenset[tuple[str, ...]]
+    sublayers: frozenset[tuple[str, ...]] = frozenset()
 
     # What the planner asks of every layer kind (as ``families.LayerKind``).
     handoff_label = "layer output"
@@ -329,6 +378,21 @@ class OutputPlan:
     withdrawn: list[list[ast.stmt]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class SublayerPlan:
+    """``T = self.<path>(...)`` (``statements[index]``, ``call`` the sublayer call), the sublayer's output add
+    bound to ``total`` (``T``, or its first name); ``consumer`` calling ``norm_call`` = ``F(total)`` next, or None
+    for the layer's output (returned, alone or first in a tuple)."""
+
+    site: AddSite
+    statements: list[ast.stmt]
+    index: int
+    call: ast.Call
+    total: str
+    consumer: ast.stmt | None = None
+    norm_call: ast.Call | None = None
+
+
 @dataclass(frozen=True)
 class FirstRead:
     """How names are first read in the statements after a point (``first_read``): never again (``read`` False), by
@@ -346,7 +410,8 @@ class LayerAnalysis:
     """Everything ``analysed`` finds in one parse of a layer forward: the plans of its add sites, its input norm's
     calls, the refusals. The plans hold that parse's nodes, which ``derived_rewrite`` rewrites in place."""
 
-    plans: list[BeforePlan | GuardedPlan | AfterPlan | ArgumentPlan | OutputPlan] = field(default_factory=list)
+    plans: list[BeforePlan | GuardedPlan | AfterPlan | ArgumentPlan | OutputPlan | SublayerPlan] = field(
+        default_factory=list)
     input_norm: FirstRead | None = None
     refusals: list[Refusal] = field(default_factory=list)
     inlining: derived_inline.Inlining = field(default_factory=derived_inline.Inlining)
@@ -369,14 +434,27 @@ def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
     return frozenset(path for node in ast.walk(forward.node) if (path := module_call(node, name)) is not None)
 
 
-def layer_code(cls: type, norms: frozenset[tuple[str, ...]]) -> LayerCode | str:
+def sublayer_calls(cls: type) -> frozenset[tuple[str, ...]]:
+    """The attribute paths of the ``self.<path>(...)`` calls in ``cls``'s forward binding their output to a name
+    (alone or first in a tuple): the planner tells the analysis which reach sublayers whose output is an add."""
+    forward = derived_source.class_forward(cls)
+    if isinstance(forward, str):
+        return frozenset()
+    name = self_name(forward.node)
+    return frozenset(path for node in ast.walk(forward.node) if isinstance(node, ast.Assign)
+                     and isinstance(node.value, ast.Call) and node.value.args
+                     and (path := attribute_path(node.value.func, name)) is not None)
+
+
+def layer_code(cls: type, norms: frozenset[tuple[str, ...]],
+               sublayers: frozenset[tuple[str, ...]] = frozenset()) -> LayerCode | str:
     """The add sites and input norm of ``cls``'s forward, whose calls of ``self.<path>`` for ``path`` in ``norms``
     are norms; or why no forward may be derived from its source."""
     forward = derived_source.class_forward(cls)
     if isinstance(forward, str):
         return forward
     problem = signature_problem(forward.node)
-    return problem or analysed(forward, forward.node, norms).code()
+    return problem or analysed(forward, forward.node, norms, sublayers).code()
 
 
 def signature_problem(function: ast.FunctionDef) -> str | None:
@@ -386,7 +464,7 @@ def signature_problem(function: ast.FunctionDef) -> str | None:
 
 
 def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
-             norms: frozenset[tuple[str, ...]]) -> LayerAnalysis:
+             norms: frozenset[tuple[str, ...]], sublayers: frozenset[tuple[str, ...]] = frozenset()) -> LayerAnalysis:
     """The analysis of ``function`` (a parse of ``forward``'s def of its own) given its patched norms, once the
     adds an ``if`` separates from their norms are moved into its branches (``derived_branches``), then its calls
     of residual add functions inlined (``derived_inline``: their fresh locals are plain; inlined last, so that the
@@ -394,7 +472,7 @@ def analysed(forward: derived_source.ClassForward, function: ast.FunctionDef,
     plain = plain_locals(forward.undecorated.__code__, function)
     sink_adds(function, norms, self_name(function), plain)
     inlining = derived_inline.inline_calls(forward, function)
-    result = _Analysis(function, norms, plain | inlining.names).result
+    result = _Analysis(function, norms, plain | inlining.names, sublayers).result
     result.refusals[:0] = [Refusal(text) for text in inlining.refusals]
     result.inlining = inlining
     return result
@@ -419,8 +497,9 @@ class _Analysis:
     """Walks a layer forward's statements once, recording each pattern's plan, or its refusal (module
     docstring)."""
 
-    def __init__(self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> None:
-        self.function, self.norms, self.plain = function, norms, plain
+    def __init__(self, function: ast.FunctionDef, norms: frozenset[tuple[str, ...]], plain: frozenset[str],
+                 sublayers: frozenset[tuple[str, ...]] = frozenset()) -> None:
+        self.function, self.norms, self.plain, self.sublayers = function, norms, plain, sublayers
         self.self_name = self_name(function)
         self.up = parents(function)
         self.result = LayerAnalysis()
@@ -463,7 +542,8 @@ class _Analysis:
         """Records the pattern starting at ``statements[i]`` (``after`` runs once the list ends); returns how many
         statements it spans, 0 for none."""
         return (
-            self._before_norm(statements, i, enclosing)
+            self._sublayer_output(statements, i, after, enclosing)
+            or self._before_norm(statements, i, enclosing)
             or self._guarded_before(statements, i, enclosing)
             or self._after_norm(statements, i, enclosing)
             or self._output(statements, i, after, enclosing)
@@ -483,11 +563,44 @@ class _Analysis:
                 rewritten.add(id(plan.consumer))
             if isinstance(plan, (ArgumentPlan, OutputPlan)):
                 rewritten.add(id(plan.statement))
+            if isinstance(plan, SublayerPlan):
+                rewritten.update(id(s) for s in (plan.statements[plan.index], plan.consumer) if s is not None)
             if isinstance(plan, GuardedPlan):
                 rewritten.update(id(s) for s in (plan.statements[plan.index], *plan.consumers))
         for plan in self.result.plans:
             if isinstance(plan, AfterPlan) and plan.consumer is not None and id(plan.consumer) in rewritten:
                 plan.consumer = plan.next_call = None
+
+    def _sublayer_output(self, statements: list[ast.stmt], i: int, after: ast.stmt | None,
+                         enclosing: tuple[str, ...]) -> int:
+        """``T = self.<path>(...)``, a sublayer whose output is its output add, read next by a norm of the layer
+        as a ``before`` site's sum is, or returned as the layer's output (module docstring: "Sublayer outputs")."""
+        statement = statements[i]
+        if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1
+                and isinstance(statement.value, ast.Call)):
+            return 0
+        target, call = statement.targets[0], statement.value
+        first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else target
+        path = item_path(call.func, self.self_name)
+        if path not in self.sublayers or not isinstance(first, ast.Name):
+            return 0
+        total = first.id
+        read = self._norm_reading(statements, i, total, enclosing)
+        if read is not None:
+            consumer, norm_call, problem = read
+            site = AddSite("before", self._norm(norm_call), statement.lineno, sublayer=path)
+            if problem is not None:
+                return self._refuse(site, problem)
+            self.result.plans.append(SublayerPlan(site, statements, i, call, total, consumer, norm_call))
+            return 1
+        in_tuple = _returns(statements[i + 1] if i + 1 < len(statements) else after, total)
+        if in_tuple is None:
+            return 0
+        site = AddSite("output", (), statement.lineno, in_tuple, sublayer=path)
+        if "try" in enclosing:  # invariant 5
+            return self._refuse(site, "it sits in a try block, whose finally could return something else")
+        self.result.plans.append(SublayerPlan(site, statements, i, call, total))
+        return 1
 
     def _argument_sums(self, statement: ast.stmt) -> int:
         """``F(a + b)`` in a simple statement, outside nested scopes (invariants 1 and 7)."""

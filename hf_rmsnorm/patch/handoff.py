@@ -29,6 +29,13 @@ sublayer's hooks), and the last call hands its sum to the norm the stack asked t
 stack checked the block and that norm; ``call_sublayer`` checks the last sublayer as ``foreign_code`` checks a
 handing layer).
 
+A derived layer whose residual adds sit in sublayers it calls (``derived_sites``' "Sublayer outputs": BLOOM's block
+calling its attention and MLP, whose output is their add) calls each through ``sublayer_into`` (its sum read next
+by the layer's own norm: the sublayer hands it to that norm, and ``take_handed`` gives the consumer the normed sum)
+or ``sublayer_output`` (its sum the layer's output: the sublayer hands it to the norm the layer's own call was asked
+to hand on to), with the links the planner put on the layer (``SUBLAYER_LINKS_ATTR``, keyed by the sublayer module),
+checked by ``foreign_code`` as the loop's are.
+
 Why this computes the unpatched function, and its gradients, exactly:
 
 * The sum is the add the layer's code does, computed by the kernel that also normalises it; the kernel's norm is
@@ -82,6 +89,9 @@ CALL_PARAM = "_hf_rmsnorm_call"
 LINKS_ATTR = "_hf_rmsnorm_links"
 # Instance attribute of a patched block of sublayers: its ``BlockLinks``.
 BLOCK_LINKS_ATTR = "_hf_rmsnorm_block_links"
+# Instance attribute of a derived layer calling sublayers whose output add goes into a norm of its own, or is its
+# output: sublayer -> NextNorm (its norm), or None (the layer's output).
+SUBLAYER_LINKS_ATTR = "_hf_rmsnorm_sublayer_links"
 
 
 @dataclass
@@ -299,6 +309,42 @@ def call_sublayer(block: nn.Module, call: LayerCall | None, handed: tuple[nn.Mod
     if handing is not None:
         call.hand_on(handing[1], output[0] if type(layer)._hf_rmsnorm_kind.returns_tuple else output)
     return output, None
+
+
+def sublayer_into(layer: nn.Module, sublayer: nn.Module, /, *args, **kwargs):
+    """``(sublayer(*args, **kwargs), (norm, normed sum, sum) or None)``: a sublayer call of a derived layer whose
+    output sum the layer's own norm reads next (``derived_sites``' "Sublayer outputs"), the sum computed by that
+    norm's kernel where the layer's links say so and nothing else watches the two modules (``foreign_code``)."""
+    link = getattr(layer, SUBLAYER_LINKS_ATTR, {}).get(sublayer)
+    if link is None or not args or not isinstance(args[0], Tensor) or foreign_code(sublayer, link, args[0]):
+        return sublayer(*args, **kwargs), None
+    output, handing = _linked_call(sublayer, link.norm, link.norm, None, args, kwargs)
+    if handing is None:
+        return output, None
+    first = output[0] if type(sublayer)._hf_rmsnorm_kind.returns_tuple else output
+    return output, (link.norm, handing[1], first)
+
+
+def take_handed(handed: tuple[nn.Module, Tensor, Tensor] | None, norm: nn.Module, argument: Tensor) -> Tensor:
+    """``norm(argument)``: the normed sum ``sublayer_into`` made, when it was made by that norm of that very sum."""
+    if handed is not None and handed[0] is norm and argument is handed[2]:
+        return handed[1]
+    return norm(argument)
+
+
+def sublayer_output(call: LayerCall | None, layer: nn.Module, sublayer: nn.Module, /, *args, **kwargs):
+    """``sublayer(*args, **kwargs)``, the sublayer call whose output sum is the derived layer's output: handed to
+    the norm the layer's own call was asked to hand on to (the stack checked the layer and the norm; the sublayer
+    is checked as a handing layer is), as ``call_sublayer``'s last call."""
+    norm = None if call is None else call.next_norm
+    planned = sublayer in getattr(layer, SUBLAYER_LINKS_ATTR, {})
+    if norm is None or not planned or not args or not isinstance(args[0], Tensor) or _hands_on_watched(
+            sublayer, norm, args[0]):
+        return sublayer(*args, **kwargs)
+    output, handing = _linked_call(sublayer, norm, norm, None, args, kwargs)
+    if handing is not None:
+        call.hand_on(handing[1], output[0] if type(sublayer)._hf_rmsnorm_kind.returns_tuple else output)
+    return output
 
 
 def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> bool:

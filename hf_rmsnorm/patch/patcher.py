@@ -20,7 +20,7 @@ from . import derived_blocks, derived_loops, derived_sites, derived_source, fuse
 from .classify import Role, may_derive, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
-from .handoff import BLOCK_LINKS_ATTR, LINKS_ATTR, BlockLinks, NextNorm
+from .handoff import BLOCK_LINKS_ATTR, LINKS_ATTR, SUBLAYER_LINKS_ATTR, BlockLinks, NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
 from .recognition import NormRecogniser, family_of, recognised_layer_kinds, recognised_stack_kind
 from .report import PatchReport, UnsupportedModelError
@@ -377,7 +377,9 @@ def _plan_derived_layers(
     ``QUIET`` for a module that is no layer: one without such an add is left alone unreported), and why a layer
     keeps some of its adds unfused."""
     calls: dict[type, frozenset[tuple[str, ...]]] = {}
-    codes: dict[tuple[type, frozenset[tuple[str, ...]]], derived_sites.LayerCode | str] = {}
+    codes: dict[tuple[type, frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]],
+                derived_sites.LayerCode | str] = {}
+    sublayer_kinds: dict[type, derived_sites.DerivedLayerKind | None] = {}
     for name, layer, registered_problem in candidates:
         cls = type(layer)
         if cls not in calls:  # the classes' sources are read once for the plan
@@ -393,18 +395,24 @@ def _plan_derived_layers(
                                                 f"{_class_path(cls)}.forward calls none of its patched norms")
                 plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
-        if (cls, layer_norms) not in codes:
-            codes[cls, layer_norms] = derived_sites.layer_code(cls, layer_norms)
+        sublayers = _sublayer_candidates(layer, derived_sites.sublayer_calls(cls), norms, layers, plan,
+                                         sublayer_kinds)
+        key = (cls, layer_norms, frozenset(sublayers))
+        if key not in codes:
+            codes[key] = derived_sites.layer_code(cls, layer_norms, frozenset(sublayers))
         problem = plan.class_problem(cls) or instance_problem(layer)
-        code = problem or codes[cls, layer_norms]
+        code = problem or codes[key]
         if registered_problem == QUIET and (isinstance(code, str) or not code.sites):
             continue
         if not isinstance(code, str) and not code.sites:
             code = "; ".join(r.text for r in code.refusals) or (
                 f"no residual add sits next to a patched norm in {_class_path(cls)}.forward")
         if not isinstance(code, str):
-            kind = derived_sites.DerivedLayerKind(_class_path(cls), code.sites, code.input_norm, layer_norms)
+            called = frozenset(site.sublayer for site in code.sites if site.sublayer)
+            kind = derived_sites.DerivedLayerKind(_class_path(cls), code.sites, code.input_norm, layer_norms, called)
             try:
+                for path in called:
+                    fused.fused_class(type(sublayers[path]), sublayer_kinds[type(sublayers[path])])
                 fused.fused_class(cls, kind)
             except Exception as exc:  # what the derived source cannot compile or decorate is left alone
                 code = f"its derived forward failed to build ({type(exc).__name__}: {exc})"[:300]
@@ -414,6 +422,9 @@ def _plan_derived_layers(
             continue
         layers[layer] = (name, kind)
         plan.swaps.append((layer, kind))
+        if kind.sublayers:
+            plan.attrs.append((layer, SUBLAYER_LINKS_ATTR, _sublayer_links(layer, kind, sublayers)))
+            plan.swaps.extend((sublayers[path], sublayer_kinds[type(sublayers[path])]) for path in kind.sublayers)
         if registered_problem:
             plan.report.skipped.append(
                 (name, f"its forward is derived: no registered shape fits ({registered_problem})"))
@@ -421,6 +432,47 @@ def _plan_derived_layers(
         for site in kind.inner_sites:
             plan.report.fused_adds.append(f"{name}: {site.label} -> "
                                           + " or ".join(norms[paths[norm]] for norm in site.norms))
+
+
+def _sublayer_candidates(layer: nn.Module, paths: frozenset[tuple[str, ...]], norms: dict[nn.Module, str],
+                         layers: dict[nn.Module, object], plan: _Plan,
+                         kinds: dict[type, derived_sites.DerivedLayerKind | None]) -> dict[tuple[str, ...], nn.Module]:
+    """The modules ``layer``'s forward calls (at ``paths``) whose one residual add is their output, returned alone
+    or first in a tuple (``derived_sites``' "Sublayer outputs": BLOOM's attention and MLP, through
+    ``dropout_add``), which hold no patched norm and which no other plan swaps; ``kinds`` caches each class's
+    derived kind (None: none)."""
+    found = {}
+    for path in paths:
+        module = _module_at(layer, path)
+        if not isinstance(module, nn.Module) or any(m in norms for m in module.modules()) or module in layers or any(
+                module is swapped for swapped, _ in plan.swaps) or instance_problem(module):
+            continue
+        cls = type(module)
+        if cls not in kinds:
+            code = None if plan.class_problem(cls) else derived_sites.layer_code(cls, frozenset())
+            sites = () if isinstance(code, str) or code is None or code.refusals else code.sites
+            kinds[cls] = derived_sites.DerivedLayerKind(_class_path(cls), sites, None, frozenset()) if sites and all(
+                site.position == "output" for site in sites) and len({s.in_tuple for s in sites}) == 1 else None
+        if kinds[cls] is not None:
+            found[path] = module
+    return found
+
+
+def _sublayer_links(layer: nn.Module, kind: derived_sites.DerivedLayerKind,
+                    sublayers: dict[tuple[str, ...], nn.Module]) -> dict[nn.Module, NextNorm | None]:
+    """Where each sublayer call of a derived layer hands its output sum: the layer's norm that reads it next, or
+    None (the layer's output: the norm its own call is asked to hand on to)."""
+    links: dict[nn.Module, NextNorm | None] = {}
+    for site in kind.sites:
+        if not site.sublayer:
+            continue
+        if site.norm:
+            parent = _module_at(layer, site.norm[:-1])
+            norm = getattr(parent, site.norm[-1])
+            links[sublayers[site.sublayer]] = NextNorm(norm, norm, parent, site.norm[-1])
+        else:
+            links[sublayers[site.sublayer]] = None
+    return links
 
 
 def _plan_blocks(layers: dict[nn.Module, tuple[str, object]], norms: dict[nn.Module, str], plan: _Plan) -> None:
@@ -647,6 +699,11 @@ def _unplan_layers_fusing_nothing(layers: dict[nn.Module, tuple[str, LayerKind]]
 
 def _unplan(layer: nn.Module, name: str, kind, plan: _Plan) -> None:
     plan.swaps.remove((layer, kind))
+    # A derived layer's sublayers were swapped for it alone: they go with it, and its links.
+    links = next((a for a in plan.attrs if a[0] is layer and a[1] == SUBLAYER_LINKS_ATTR), None)
+    if links is not None:
+        plan.attrs.remove(links)
+        plan.swaps[:] = [(module, k) for module, k in plan.swaps if module not in links[2]]
     plan.report.skipped.append((name, f"residual adds not fused: a {kind.block}'s add can only go into the next "
                                       "norm's kernel, and no model forward of known code runs this layer"))
 

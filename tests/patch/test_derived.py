@@ -15,7 +15,9 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING
 
-from derived_toys import ToyDecoderLayer, ToyModel, sites, stack_layout, states, toy_model
+from derived_toys import (
+    AddingSublayer, SublayerDecoderLayer, ToyDecoderLayer, ToyModel, sites, stack_layout, states, toy_model,
+)
 from family_cases import CASES, DERIVED, names
 from harness import residual_census
 from patch_models import (
@@ -546,3 +548,104 @@ def test_a_hooked_norm_under_a_test_gets_the_flattened_sum_as_the_original(monke
     handle = fused.layers[0].post_attention_layernorm.register_forward_pre_hook(lambda module, args: None)
     assert residual_census.fused_adds(fused, lambda m: m(x)) == 3
     handle.remove()
+
+
+# ----------------------------------------------------------------------------------- sublayer outputs (BLOOM's)
+
+
+class _SublayerInTheMiddleLayer(SublayerDecoderLayer):
+    """Look-alikes left alone: the attention's output is its add, but the layer adds to it before its norm reads
+    it; the feed-forward's output is no add of its own (its ``forward`` normalises after adding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feed_forward = _NormedSublayer()
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        attention_output = self.attention(normed, hidden_states)
+        attention_output = attention_output + scale
+        normed = self.post_attention_layernorm(attention_output)
+        output = self.feed_forward(normed, attention_output)
+        return output
+
+
+class _NormedSublayer(AddingSublayer):
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(residual + self.proj(hidden_states))
+
+
+def test_sublayer_outputs_go_into_the_layers_norm_and_the_next_layers(monkeypatch):
+    """A layer calling sublayers whose output is their add (derived_sites' "Sublayer outputs"): the first's sum into
+    the layer's own norm, the second's (the layer's output) into the next layer's input norm, or the final norm.
+    Values and gradients those of the adds apart, bit for bit; unpatched, the original classes."""
+    report, fused, unfused = fused_and_unfused(toy_model(SublayerDecoderLayer), monkeypatch)
+    line = SublayerDecoderLayer.forward.__code__.co_firstlineno + 2
+    assert report.fused_adds == [
+        f"layers.{i}: output add of attention (line {line}: into post_attention_layernorm) -> "
+        f"layers.{i}.post_attention_layernorm" for i in range(2)
+    ] + ["layers.0: layer output -> layers.1.input_layernorm", "layers.1: layer output -> norm"]
+    x = states()
+    assert residual_census.fused_adds(fused, lambda m: m(x)) == 4
+    assert_outputs_and_gradients_alike(fused, unfused, x)
+    unpatch_model(fused)
+    assert type(fused.layers[0]) is SublayerDecoderLayer
+    assert type(fused.layers[0].attention) is type(fused.layers[0].feed_forward) is AddingSublayer
+    assert not any(name.startswith("_hf_rmsnorm") for m in fused.modules() for name in vars(m))
+
+
+def test_a_sublayer_whose_sum_is_changed_or_whose_output_is_no_add_is_left_alone():
+    model = toy_model(_SublayerInTheMiddleLayer)
+    x = states()
+    with torch.no_grad():
+        expected = model(x)
+    report = patch_model(model)
+    assert not any("output add of" in line for line in report.fused_adds), report.fused_adds
+    assert type(model.layers[0].attention) is AddingSublayer and type(model.layers[0].feed_forward) is _NormedSublayer
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_a_sublayer_replaced_or_hooked_after_patching_gets_the_plain_calls(monkeypatch):
+    """The layer's links name the sublayer module itself: another module put at its path after patching, or a hook
+    on the sublayer or the norm, gets the original calls (values bitwise the adds apart); the rest stays fused."""
+    _, fused, unfused = fused_and_unfused(toy_model(SublayerDecoderLayer), monkeypatch)
+    x = states()
+    replacement = copy.deepcopy(unfused.layers[0].attention)
+    for m in (fused, unfused):
+        m.layers[0].attention = copy.deepcopy(replacement)
+    assert residual_census.fused_adds(fused, lambda m: m(x)) == 3
+    assert_outputs_and_gradients_alike(fused, unfused, x)
+    handles = [m.layers[1].post_attention_layernorm.register_forward_pre_hook(lambda mod, args: None)
+               for m in (fused, unfused)]
+    assert residual_census.fused_adds(fused, lambda m: m(x)) == 2
+    assert_outputs_and_gradients_alike(fused, unfused, x)
+    for handle in handles:
+        handle.remove()
+
+
+class _SublayerOutputOnlyLayer(SublayerDecoderLayer):
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        return_value = self.feed_forward(normed, hidden_states)
+        return return_value
+
+
+class _UnreadStack(ToyModel):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layers[1](self.layers[0](hidden_states)))
+
+
+def test_a_layer_whose_only_sublayer_add_goes_nowhere_keeps_its_and_its_sublayers_classes():
+    """A layer whose one sublayer add is its output, in a stack whose loop is not read: nothing to hand it to, so
+    neither the layer nor its sublayer is swapped (the report says why), and the model computes as before."""
+    model = toy_model(_SublayerOutputOnlyLayer, stack=_UnreadStack)
+    x = states()
+    with torch.no_grad():
+        expected = model(x)
+    report = patch_model(model)
+    assert report.fused_adds == [] and "can only go into the next norm's kernel" in dict(report.skipped)["layers.0"]
+    assert type(model.layers[0]) is _SublayerOutputOnlyLayer and type(model.layers[0].feed_forward) is AddingSublayer
+    assert handoff.SUBLAYER_LINKS_ATTR not in vars(model.layers[0])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=2e-6, atol=2e-6)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from derived_toys import ToyDecoderLayer, ToyModel, stack_layout, states, toy_model
+from derived_toys import SublayerDecoderLayer, ToyDecoderLayer, ToyModel, stack_layout, states, toy_model
 from hf_rmsnorm import patch_model
 from hf_rmsnorm.patch import derived_sites
 
@@ -209,6 +209,50 @@ BROKEN = {
     "9 test reads a binding": (_TestReadingABindingLayer, "a test reads marker, which the statements after the add "
                                "bind", (), None),
 }
+
+
+# ----------------------------------------------------------------------------------- 10. sublayer outputs
+
+
+class _SublayerCallBeforeLayer(SublayerDecoderLayer):
+    """Invariant 2 for a sublayer's sum: the consumer runs a call before the norm, which the kernel inside the
+    sublayer would then have run first."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        attention_output = self.attention(normed, hidden_states)
+        normed = torch.tanh(attention_output) * self.post_attention_layernorm(attention_output)
+        return self.feed_forward(normed, attention_output)
+
+
+class _SublayerInTryLayer(SublayerDecoderLayer):
+    """Invariant 5 for a sublayer's sum: its handler reads the sum after the norm raised (which the sublayer's
+    statement would then raise, before binding it)."""
+
+    def forward(self, hidden_states: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
+        normed = self.input_layernorm(hidden_states)
+        attention_output = None
+        try:
+            attention_output = self.attention(normed, hidden_states)
+            normed = self.post_attention_layernorm(attention_output)
+        except RuntimeError:
+            normed = attention_output
+        return self.feed_forward(normed, attention_output)
+
+
+SUBLAYER_BROKEN = {
+    "2 call before": (_SublayerCallBeforeLayer, "evaluates torch.tanh(attention_output) before the norm", None),
+    "5 try": (_SublayerInTryLayer, "it sits in a try block", "post_attention_layernorm"),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBLAYER_BROKEN))
+def test_a_sublayer_output_breaking_an_invariant_is_left_as_written_with_the_reason(case):
+    layer, reason, raising = SUBLAYER_BROKEN[case]
+    code = derived_sites.layer_code(layer, NORMS, frozenset({("attention",), ("feed_forward",)}))
+    assert any(reason in refusal.text and "output add of attention" in refusal.text for refusal in code.refusals)
+    assert any(reason in text for _, text in patch_model(toy_model(layer)).skipped)
+    _assert_patched_runs_as_unpatched(toy_model(layer), ("attention", "post_attention_layernorm"), raising)
 
 
 def _run(model: nn.Module, watched: tuple[str, ...], raising: str | None) -> tuple[torch.Tensor, list[str]]:

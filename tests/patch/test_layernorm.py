@@ -711,14 +711,23 @@ def test_opt_fuses_every_add_with_the_logits_and_gradients_of_the_adds_apart(pre
     (350m) alike, in training with dropout (its masks drawn in the original order), checkpointed either way, or
     compiled in one graph (in eval mode: before transformers 5.24 OPT draws its LayerDrop in training, which Dynamo
     cannot trace); the logits and every gradient those of the same kernels with the adds apart, bit for bit."""
-    from patch_models import fused_and_unfused, training_step
+    from patch_models import fused_and_unfused
 
     report, fused, unfused = fused_and_unfused(tiny("opt", do_layer_norm_before=pre_ln), monkeypatch)
     assert len(report.fused_adds) == 4
+    _assert_trains_as_the_adds_apart(fused, unfused, mode, training_compiled=False)
+
+
+def _assert_trains_as_the_adds_apart(fused, unfused, mode: str, training_compiled: bool = True) -> None:
+    """One training step of ``fused`` and ``unfused`` (``fused_and_unfused``' models, four adds) in ``mode``: the
+    four adds fused and none apart, logits and every gradient bit for bit. Dropout's masks are drawn from one seed;
+    a compiled model runs in training mode only where ``training_compiled``."""
+    from patch_models import training_step
+
     x = ids(seq=6)
     results = []
     for m in (fused, unfused):
-        runner = m if mode == "compiled" else m.train()
+        runner = m if mode == "compiled" and not training_compiled else m.train()
         if mode.startswith("checkpointed"):
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode.endswith("reentrant")})
         torch._dynamo.reset()
@@ -739,11 +748,16 @@ def test_opt_fuses_every_add_with_the_logits_and_gradients_of_the_adds_apart(pre
 def test_opt_counts_every_add_next_to_a_norm_as_fused_with_parity(pre_ln, dtype, monkeypatch):
     """The residual census sees OPT's four adds next to norms (through the flattening and the view) and the patched
     model fuses them all; logits bitwise those of the adds apart, and no less accurate than eager against fp64."""
+    _assert_census_fuses_four_adds(tiny("opt", dtype, do_layer_norm_before=pre_ln), dtype, monkeypatch)
+
+
+def _assert_census_fuses_four_adds(model, dtype, monkeypatch, accuracy: bool = True) -> None:
+    """The residual census sees four adds next to ``model``'s LayerNorms and the patched model fuses them all, its
+    logits bitwise those of the adds apart and, where ``accuracy``, no less accurate than eager against fp64."""
     from patch_models import patch_unfused
 
     from harness import residual_census
 
-    model = tiny("opt", dtype, do_layer_norm_before=pre_ln)
     x = ids()
     truth = logits(copy.deepcopy(model).double(), x)
     eager = logits(model, x)
@@ -757,7 +771,8 @@ def test_opt_counts_every_add_next_to_a_norm_as_fused_with_parity(pre_ln, dtype,
     assert residual_census.unfused_sites(model, run, next_to_norms, 64) == []
     patched = logits(model, x)
     assert torch.equal(patched, logits(unfused, x))
-    _assert_no_worse_than_eager(patched, eager, truth, dtype)
+    if accuracy:
+        _assert_no_worse_than_eager(patched, eager, truth, dtype)
 
 
 # (the hooked module, the hook kind) -> the adds still fused, of four: each layer's attention add (inside it, unless
@@ -772,11 +787,18 @@ OPT_HOOKED = {
 
 @pytest.mark.parametrize("target, kind", list(OPT_HOOKED))
 def test_opt_hooks_on_a_norm_or_a_layer_get_the_plain_calls(target, kind, monkeypatch):
+    _assert_hooked_module_sees_the_plain_calls(tiny("opt"), target, kind, OPT_HOOKED[target, kind], monkeypatch)
+
+
+def _assert_hooked_module_sees_the_plain_calls(model, target: str, kind: str, fused_while_hooked: int,
+                                               monkeypatch) -> None:
+    """A ``kind`` hook ("pre" or "forward") on ``model``'s ``target`` sees what it sees with the adds apart, the
+    logits alike; ``fused_while_hooked`` of the four adds stay fused meanwhile, all four once it is removed."""
     from patch_models import fused_and_unfused
 
     from harness import residual_census
 
-    _, fused, unfused = fused_and_unfused(tiny("opt"), monkeypatch)
+    _, fused, unfused = fused_and_unfused(model, monkeypatch)
     x = ids()
     seen = {}
     for name, m in (("fused", fused), ("unfused", unfused)):
@@ -785,11 +807,91 @@ def test_opt_hooks_on_a_norm_or_a_layer_get_the_plain_calls(target, kind, monkey
         if kind == "pre":
             handle = module.register_forward_pre_hook(lambda mod, args, into=seen[name]: into.append(args[0]))
         else:
-            handle = module.register_forward_hook(lambda mod, args, out, into=seen[name]: into.append(out))
+            handle = module.register_forward_hook(
+                lambda mod, args, out, into=seen[name]: into.append(out[0] if isinstance(out, tuple) else out))
         seen[name].append(logits(m, x))
         if name == "fused":
-            assert residual_census.fused_adds(m, lambda model: model(x)) == OPT_HOOKED[target, kind]
+            assert residual_census.fused_adds(m, lambda model: model(x)) == fused_while_hooked
         handle.remove()
     assert len(seen["fused"]) == 3 and len(seen["unfused"]) == 2
     assert all(torch.equal(a, b) for a, b in zip(seen["fused"], seen["unfused"]))
     assert residual_census.fused_adds(fused, lambda model: model(x)) == 4
+
+
+# ----------------------------------------------------------------------------------- BLOOM: sublayer outputs
+
+
+def _bloom(dtype=torch.float32, post_ln=False, dropout=0.0):
+    return tiny("bloom", dtype, apply_residual_connection_post_layernorm=post_ln, hidden_dropout=dropout,
+                attention_dropout=dropout)
+
+
+@pytest.mark.parametrize("mode", ["eager", "checkpointed", "checkpointed reentrant", "compiled"])
+@pytest.mark.parametrize("post_ln", [False, True], ids=["residual-before-LN", "residual-after-LN"])
+def test_bloom_fuses_every_add_with_the_logits_and_gradients_of_the_adds_apart(post_ln, mode, monkeypatch):
+    """BLOOM's adds sit in its attention and MLP (``dropout_add``), whose output sums the block's
+    ``post_attention_layernorm`` reads or the block returns to the next block's ``input_layernorm`` (or ``ln_f``):
+    derived_sites' "Sublayer outputs". All four fused, whichever residual ``apply_residual_connection_post_layernorm``
+    picks, in training with dropout (its masks drawn in the original order), checkpointed either way, or compiled in
+    one graph; the logits and every gradient those of the same kernels with the adds apart, bit for bit."""
+    from patch_models import fused_and_unfused
+
+    report, fused, unfused = fused_and_unfused(_bloom(post_ln=post_ln, dropout=0.1), monkeypatch)
+    assert len(report.fused_adds) == 4, str(report)
+    _assert_trains_as_the_adds_apart(fused, unfused, mode)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("post_ln", [False, True], ids=["residual-before-LN", "residual-after-LN"])
+def test_bloom_counts_every_add_next_to_a_norm_as_fused_with_parity(post_ln, dtype, monkeypatch):
+    """The residual census sees BLOOM's four adds next to norms and the patched model fuses them all; logits bitwise
+    those of the adds apart, and (in every released BLOOM's configuration, the residual taken before the norm) no
+    less accurate than eager against fp64. With the residual taken after the norm the logits are still bitwise the
+    norms-only patch's (what the adds' fusion can change); that patch's own accuracy there is its norms' matter."""
+    _assert_census_fuses_four_adds(_bloom(dtype, post_ln), dtype, monkeypatch, accuracy=not post_ln)
+
+
+def test_bloom_generates_with_its_cache_and_unpatches_exactly():
+    """Greedy generate() with the cache: the block's derived forward calls its attention with the cache as the
+    original does; fp32 tokens identical. The patched block, attention and MLP keep their forwards' signatures, the
+    state dict is untouched. Unpatched, the model is the original again: its classes, its logits."""
+    model = _bloom()
+    x = ids(batch=1, seq=5)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected, eager = model.generate(x, **kwargs), logits(model, ids())
+    classes = [type(m) for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len(patch_model(model).fused_adds) == 4
+    block = model.transformer.h[0]
+    for module in (block, block.self_attention, block.mlp):
+        original = type(module).__mro__[1]
+        assert type(module) is not original and original.__module__ == "transformers.models.bloom.modeling_bloom"
+        assert inspect.signature(type(module).forward) == inspect.signature(original.forward)
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model.generate(x, **kwargs), expected)
+    unpatch_model(model)
+    assert [type(m) for m in model.modules()] == classes
+    assert not any(name.startswith("_hf_rmsnorm") for m in model.modules() for name in vars(m))
+    assert torch.equal(logits(model, ids()), eager)
+
+
+# (the hooked module, the hook kind) -> the adds still fused, of four: each block's attention add (into its
+# post_attention_layernorm) and the two block outputs handed on (block 0's to block 1, block 1's to ln_f).
+BLOOM_HOOKED = {
+    ("transformer.h.0.post_attention_layernorm", "pre"): 3,
+    ("transformer.h.0.self_attention", "forward"): 3,
+    ("transformer.h.1.mlp", "forward"): 3,
+    ("transformer.h.1.input_layernorm", "pre"): 3,
+    ("transformer.h.1", "pre"): 2,
+    ("transformer.h.1", "forward"): 2,
+    ("transformer.ln_f", "forward"): 3,
+}
+
+
+@pytest.mark.parametrize("target, kind", list(BLOOM_HOOKED))
+def test_bloom_hooks_on_a_norm_a_sublayer_or_a_block_get_the_plain_calls(target, kind, monkeypatch):
+    """A hook on a norm, on the attention or MLP whose add would go into it, or on the block handing on or
+    receiving, sees what it sees unpatched (the modules around it make the plain calls); the other adds stay fused,
+    and all four again once the hook is removed."""
+    _assert_hooked_module_sees_the_plain_calls(_bloom(), target, kind, BLOOM_HOOKED[target, kind], monkeypatch)
