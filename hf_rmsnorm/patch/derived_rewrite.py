@@ -56,19 +56,20 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
         raise ValueError(f"{base.__qualname__}.forward no longer applies {kind.input_norm} to its input first")
     frees: list[tuple[list[ast.stmt], ast.stmt, str]] = []
     viewing: list[tuple[list[ast.stmt], ast.stmt, ast.stmt]] = []  # (block, statement, the one to insert after it)
+    self_param = self_name(function)
     for plan in analysis.plans:  # a site copied into both branches of an ``if`` (derived_branches) has two plans
         if plan.site not in kind.sites:
             continue
         if isinstance(plan, BeforePlan):
             frees.append(_rewrite_before(plan))
         elif isinstance(plan, GuardedPlan):
-            frees.append(_rewrite_guarded(plan, self_name(function), viewing))
+            frees.append(_rewrite_guarded(plan, self_param, viewing))
         elif isinstance(plan, AfterPlan) and plan.next_call is not None:
             frees.append(_rewrite_chained_after(plan))
         elif isinstance(plan, AfterPlan):
             _rewrite_after(plan)
         elif isinstance(plan, SublayerPlan):
-            freed = _rewrite_sublayer(plan, self_name(function))
+            freed = _rewrite_sublayer(plan, self_param)
             if freed is not None:
                 frees.append(freed)
         elif isinstance(plan, ArgumentPlan):

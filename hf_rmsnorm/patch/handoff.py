@@ -204,11 +204,18 @@ def hand_on_viewed(call: LayerCall | None, total: Tensor, viewed: Tensor) -> Non
     on."""
     if call is None or call.sum is not total or call.normed_output is None:
         return
-    if (isinstance(viewed, Tensor) and viewed.dtype == total.dtype and viewed.numel() == total.numel()
-            and viewed.shape[-1:] == total.shape[-1:] and total.is_contiguous()):
+    if isinstance(viewed, Tensor) and viewed.dtype == total.dtype and keeps_rows(viewed, total) and (
+            total.is_contiguous()):
         call.hand_on(call.normed_output.view(viewed.shape), viewed)
     else:
         withdraw(call)
+
+
+def keeps_rows(view: Tensor, tensor: Tensor) -> bool:
+    """Whether ``view``, a view or reshape of ``tensor`` (the derived layers read only such), holds its rows in
+    their order: the same last dimension and number of elements (a flattening ``reshape(-1, size(-1))``, or its
+    undoing). A norm normalises each row, so the norm of such a view is the same view of the norm."""
+    return view.shape[-1:] == tensor.shape[-1:] and view.numel() == tensor.numel()
 
 
 def kernel_adds(a: object, b: object) -> bool:
@@ -301,14 +308,27 @@ def call_sublayer(block: nn.Module, call: LayerCall | None, handed: tuple[nn.Mod
         if link is None or foreign_code(layer, link, args[0]):
             return _linked_call(layer, None, None, handed, args, kwargs)
         return _linked_call(layer, link.consumer, link.norm, handed, args, kwargs)
-    # The last call: the stack checked the block and the norm; the sublayer is checked as a handing layer is.
+    return _last_call(call, layer, handed, args, kwargs), None
+
+
+def _last_call(call: LayerCall | None, layer: nn.Module, handed: tuple[nn.Module, Tensor] | None, args: tuple,
+               kwargs: dict):
+    """``layer(*args, **kwargs)``, the call whose output sum is the calling layer's or block's output: handed to the
+    norm that one's own call was asked to hand on to (``call.next_norm``: the stack checked it and the caller),
+    ``layer`` checked as a handing layer is, setting ``call.normed_output``."""
     norm = None if call is None else call.next_norm
     if norm is not None and _hands_on_watched(layer, norm, args[0]):
         norm = None
     output, handing = _linked_call(layer, norm, norm, handed, args, kwargs)
     if handing is not None:
-        call.hand_on(handing[1], output[0] if type(layer)._hf_rmsnorm_kind.returns_tuple else output)
-    return output, None
+        call.hand_on(handing[1], _stream_of(layer, output))
+    return output
+
+
+def _stream_of(layer: nn.Module, output):
+    """The residual stream in a fused layer's output: the output itself, or its first item for a kind that returns
+    a tuple."""
+    return output[0] if type(layer)._hf_rmsnorm_kind.returns_tuple else output
 
 
 def sublayer_into(layer: nn.Module, sublayer: nn.Module, /, *args, **kwargs):
@@ -321,8 +341,7 @@ def sublayer_into(layer: nn.Module, sublayer: nn.Module, /, *args, **kwargs):
     output, handing = _linked_call(sublayer, link.norm, link.norm, None, args, kwargs)
     if handing is None:
         return output, None
-    first = output[0] if type(sublayer)._hf_rmsnorm_kind.returns_tuple else output
-    return output, (link.norm, handing[1], first)
+    return output, (link.norm, handing[1], _stream_of(sublayer, output))
 
 
 def take_handed(handed: tuple[nn.Module, Tensor, Tensor] | None, norm: nn.Module, argument: Tensor) -> Tensor:
@@ -336,15 +355,9 @@ def sublayer_output(call: LayerCall | None, layer: nn.Module, sublayer: nn.Modul
     """``sublayer(*args, **kwargs)``, the sublayer call whose output sum is the derived layer's output: handed to
     the norm the layer's own call was asked to hand on to (the stack checked the layer and the norm; the sublayer
     is checked as a handing layer is), as ``call_sublayer``'s last call."""
-    norm = None if call is None else call.next_norm
-    planned = sublayer in getattr(layer, SUBLAYER_LINKS_ATTR, {})
-    if norm is None or not planned or not args or not isinstance(args[0], Tensor) or _hands_on_watched(
-            sublayer, norm, args[0]):
+    if sublayer not in getattr(layer, SUBLAYER_LINKS_ATTR, {}) or not args or not isinstance(args[0], Tensor):
         return sublayer(*args, **kwargs)
-    output, handing = _linked_call(sublayer, norm, norm, None, args, kwargs)
-    if handing is not None:
-        call.hand_on(handing[1], output[0] if type(sublayer)._hf_rmsnorm_kind.returns_tuple else output)
-    return output
+    return _last_call(call, sublayer, None, args, kwargs)
 
 
 def foreign_code(layer: nn.Module, link: NextNorm, hidden_states: Tensor) -> bool:
