@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from ..ops.modes import get_mode
 from .classify import Role, norm_role
+from .derived_syntax import attribute_at
 from .families import (
     EXACT_LAYERNORM_FAMILY, LAYERNORM, LAYERNORM_AS_RMSNORM, LAYERNORM_WITHOUT_AFFINE, NormKind, ResidualStream,
     StackKind,
@@ -221,7 +222,7 @@ def _readers(stack: nn.Module, kind: StackKind) -> dict[nn.Module, str]:
     layers = getattr(stack, kind.layers, None)
     for i, layer in enumerate(layers if isinstance(layers, nn.ModuleList) else ()):
         for path in kind.stream.norms:
-            norm = _module_at(layer, path)
+            norm = _submodule_at(layer, path)
             if norm is not None:
                 readers[norm] = f"{kind.layers}.{i}.{path}"
     final = getattr(stack, kind.final_norm, None)
@@ -278,7 +279,7 @@ def _conversion_problem(stack: nn.Module, kind: StackKind) -> str | None:
 
 def _writers(layer: nn.Module, stream: ResidualStream):
     for path in stream.writers:
-        writer = _module_at(layer, path)
+        writer = _submodule_at(layer, path)
         if writer is not None:
             yield path, writer
 
@@ -298,13 +299,10 @@ def _writer_out_dim(module: nn.Module, hidden: int) -> int | str:
     return f"{type(module).__name__} is not an nn.Linear or GPT-2 Conv1D writing the hidden size"
 
 
-def _module_at(module: nn.Module, path: str) -> nn.Module | None:
-    """The submodule at the dotted ``path``, or None where the path ends early or holds something else."""
-    for part in path.split("."):
-        module = getattr(module, part, None)
-        if not isinstance(module, nn.Module):
-            return None
-    return module
+def _submodule_at(layer: nn.Module, path: str) -> nn.Module | None:
+    """The module at the dotted ``path`` of a family's stream, None where the path ends early or holds no module."""
+    module = attribute_at(layer, tuple(path.split(".")))
+    return module if isinstance(module, nn.Module) else None
 
 
 def _layernorm_problem(norm: nn.Module, hidden: int | None) -> str | None:

@@ -44,6 +44,14 @@ def attribute_path(node: ast.expr, self_name: str) -> tuple[str, ...] | None:
     return tuple(str(step) for step in path)
 
 
+def attribute_at(root: object, path: tuple[str, ...]) -> object:
+    """What ``root.a.b`` holds at run time for the path ``("a", "b")`` (as ``attribute_path`` reads it), None where
+    the path ends early."""
+    for step in path:
+        root = getattr(root, step, None)
+    return root
+
+
 def module_call(node: ast.AST, self_name: str) -> tuple[str, ...] | None:
     """The attribute path of ``self.a.b(x)`` (one positional argument, no keywords), None for anything else."""
     if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords and not isinstance(

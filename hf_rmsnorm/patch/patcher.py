@@ -19,6 +19,7 @@ from ..ops import backend
 from . import derived_blocks, derived_loops, derived_sites, derived_source, fused, qk_attention
 from .classify import Role, may_derive, role_of
 from .conversion import LayerNormPlan, plan_layernorms
+from .derived_syntax import attribute_at
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
 from .handoff import BLOCK_LINKS_ATTR, LINKS_ATTR, SUBLAYER_LINKS_ATTR, BlockLinks, NextNorm
 from .instance_forwards import function_path, hub_forward, instance_problem, is_bound, rebind_tensor_parallel_forward
@@ -384,7 +385,7 @@ def _plan_derived_layers(
         cls = type(layer)
         if cls not in calls:  # the classes' sources are read once for the plan
             calls[cls] = derived_sites.module_calls(cls)
-        paths = {path: _module_at(layer, path) for path in calls[cls]}
+        paths = {path: attribute_at(layer, path) for path in calls[cls]}
         layer_norms = frozenset(path for path, module in paths.items() if module in norms)
         if not layer_norms:
             if registered_problem == QUIET:
@@ -443,7 +444,7 @@ def _sublayer_candidates(layer: nn.Module, paths: frozenset[tuple[str, ...]], no
     derived kind (None: none)."""
     found = {}
     for path in paths:
-        module = _module_at(layer, path)
+        module = attribute_at(layer, path)
         if not isinstance(module, nn.Module) or any(m in norms for m in module.modules()) or module in layers or any(
                 module is swapped for swapped, _ in plan.swaps) or instance_problem(module):
             continue
@@ -467,7 +468,7 @@ def _sublayer_links(layer: nn.Module, kind: derived_sites.DerivedLayerKind,
         if not site.sublayer:
             continue
         if site.norm:
-            parent = _module_at(layer, site.norm[:-1])
+            parent = attribute_at(layer, site.norm[:-1])
             norm = getattr(parent, site.norm[-1])
             links[sublayers[site.sublayer]] = NextNorm(norm, norm, parent, site.norm[-1])
         else:
@@ -562,7 +563,7 @@ def _input_link(consumer: nn.Module, input_norm: str, norms: dict[nn.Module, str
     norm. A dotted path names a ModuleList item (``input_layernorm.0``) or a sublayer's norm: its parent is the
     module before the last step."""
     parent_path, _, attribute = input_norm.rpartition(".")
-    parent = _module_at(consumer, tuple(parent_path.split("."))) if parent_path else consumer
+    parent = attribute_at(consumer, tuple(parent_path.split("."))) if parent_path else consumer
     norm = getattr(parent, attribute, None)
     return NextNorm(consumer, norm, parent, attribute) if norm in norms else None
 
@@ -581,13 +582,6 @@ def _plan_qk_attention(norms: dict[nn.Module, str], plan: _Plan) -> None:
         plan.swaps.append((module, kind))
         plan.report.fused_qk.append(f"{name}: {kind.label}")
     plan.report.skipped.extend(skipped)
-
-
-def _module_at(layer: nn.Module, path: tuple[str, ...]) -> object:
-    module: object = layer
-    for attr in path:
-        module = getattr(module, attr, None)
-    return module
 
 
 def _plan_layers(

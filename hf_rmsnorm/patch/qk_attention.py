@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import derived_source, qk_runtime
-from .derived_syntax import located, self_name
+from .derived_syntax import attribute_at, located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_rope
 from .qk_sites import QKSite, SitePlan, module_calls, qk_site
@@ -175,7 +175,7 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
             continue
         cls = type(module)
         source = derived_source.class_forward(cls)
-        paths = frozenset(path for path in module_calls(cls) if _module_at(module, path) in norms)
+        paths = frozenset(path for path in module_calls(cls) if attribute_at(module, path) in norms)
         if isinstance(source, str) or len(paths) < 2:
             if isinstance(source, str):  # why its source gave no calls
                 skipped.append((name, f"{UNFUSED}{class_problem(cls) or source}"))
@@ -197,9 +197,3 @@ def _tensor_parallel_problem(attention: nn.Module) -> str | None:
         return (f"a tensor-parallel plan shards this attention ({', '.join(planned) or 'DTensor parameters'}); the "
                 "fused site is not proven right under it")
     return None
-
-
-def _module_at(module: nn.Module, path: tuple[str, ...]) -> object:
-    for attr in path:
-        module = getattr(module, attr, None)
-    return module
