@@ -1,6 +1,7 @@
 """patch_model with what else touches a model: checkpointing, hidden-state recorders, hooks, caches,
 accelerate, PEFT, serialisation, and Phi3's residual dropouts."""
 
+import collections
 import copy
 
 import pytest
@@ -9,6 +10,7 @@ from family_cases import CASES
 from patch_models import clone, count_ops, input_ids, reachable_modules, tiny_model, unfused_copy
 
 from hf_rmsnorm import patch_model, unpatch_model
+from hf_rmsnorm.ops import library
 from hf_rmsnorm.patch import patcher
 
 
@@ -296,6 +298,25 @@ def test_torch_compile_traces_a_patched_model_without_graph_breaks():
         expected = model(ids).logits
         compiled = torch.compile(model, backend="eager", fullgraph=True)
         assert torch.equal(compiled(ids).logits, expected)
+
+
+def test_torch_export_saves_and_loads_a_patched_model_with_its_fused_kernels(tmp_path):
+    """A program exported from a patched model calls the package's operators (the fused adds included), and once
+    saved and loaded gives the patched model's logits. It names the operators by this version's namespace
+    (``library.NAMESPACE``): another version of the package cannot load it (README, torch.compile paragraph)."""
+    model = tiny_model("llama", torch.bfloat16).eval()
+    ids = input_ids()
+    report = patch_model(model)
+    with torch.no_grad():
+        expected = model(ids).logits
+    program = torch.export.export(model, (ids,), kwargs={"use_cache": False}, strict=False)
+    called = collections.Counter(node.target.name().partition("::")[2] for node in program.graph.nodes
+                                 if getattr(node.target, "namespace", None) == library.NAMESPACE)
+    assert called == {"norm_fwd": len(report.norms) - len(report.fused_adds), "add_norm_fwd": len(report.fused_adds)}
+    torch.export.save(program, tmp_path / "patched.pt2")
+    with torch.no_grad():
+        assert torch.equal(torch.export.load(tmp_path / "patched.pt2").module()(ids, use_cache=False).logits,
+                           expected)
 
 
 def _steered_forward(self, input_ids, **kwargs):
