@@ -377,15 +377,16 @@ def _plan_derived_layers(
     a patched norm keeps its adds unfused (``candidates`` carry why no registered kind fitted, if one was tried, or
     ``QUIET`` for a module that is no layer: one without such an add is left alone unreported), and why a layer
     keeps some of its adds unfused."""
-    calls: dict[type, frozenset[tuple[str, ...]]] = {}
+    # Per class: the paths of its forward's module calls, and of those binding their output (sublayer calls).
+    calls: dict[type, tuple[frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]]] = {}
     codes: dict[tuple[type, frozenset[tuple[str, ...]], frozenset[tuple[str, ...]]],
                 derived_sites.LayerCode | str] = {}
     sublayer_kinds: dict[type, derived_sites.DerivedLayerKind | None] = {}
     for name, layer, registered_problem in candidates:
         cls = type(layer)
         if cls not in calls:  # the classes' sources are read once for the plan
-            calls[cls] = derived_sites.module_calls(cls)
-        paths = {path: attribute_at(layer, path) for path in calls[cls]}
+            calls[cls] = derived_sites.module_calls(cls), derived_sites.sublayer_calls(cls)
+        paths = {path: attribute_at(layer, path) for path in calls[cls][0]}
         layer_norms = frozenset(path for path, module in paths.items() if module in norms)
         if not layer_norms:
             if registered_problem == QUIET:
@@ -396,8 +397,7 @@ def _plan_derived_layers(
                                                 f"{_class_path(cls)}.forward calls none of its patched norms")
                 plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
-        sublayers = _sublayer_candidates(layer, derived_sites.sublayer_calls(cls), norms, layers, plan,
-                                         sublayer_kinds)
+        sublayers = _sublayer_candidates(layer, calls[cls][1], norms, layers, plan, sublayer_kinds)
         key = (cls, layer_norms, frozenset(sublayers))
         if key not in codes:
             codes[key] = derived_sites.layer_code(cls, layer_norms, frozenset(sublayers))
