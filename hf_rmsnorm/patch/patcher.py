@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..ops import backend
 from . import derived_blocks, derived_loops, derived_sites, derived_source, fused, qk_attention
-from .classify import Role, may_derive, role_of
+from .classify import Role, holds_norms, may_derive, role_of
 from .conversion import LayerNormPlan, plan_layernorms
 from .derived_syntax import attribute_at
 from .families import CACHE_PARAM_SPELLINGS, LayerKind, NormKind, StackKind, registry, while_inactive
@@ -272,7 +272,8 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
     MLP residual sum to which norm, and what happens to the LayerNorms."""
     reg = registry()
-    modules = [(name, module, role_of(type(module), reg)) for name, module in root.named_modules()]
+    modules = [(name, module, role_of(type(module), reg, composite=holds_norms(module)))
+               for name, module in root.named_modules()]
     layernorms = plan_layernorms(type(root).__name__, modules, reg.stacks, layernorm)
     report = PatchReport(
         centred=layernorms.centred, centred_inputs=list(layernorms.entrances.values()), backend=_backend_of(root)
@@ -281,7 +282,7 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     norms, layer_candidates, stacks, unknown_layers = _plan_norms(root, reg, plan)
     layers, unmatched = _plan_layers(layer_candidates, norms, plan)
     _plan_derived_layers(unknown_layers + unmatched, norms, layers, plan)
-    _plan_qk_attention(norms, plan)
+    _plan_qk_attention(norms, layers, plan)
     _plan_blocks(layers, norms, plan)
     _plan_handoffs(stacks, layers, norms, plan)
     _report_unread_stacks(stacks, layers, plan)
@@ -568,9 +569,11 @@ def _input_link(consumer: nn.Module, input_norm: str, norms: dict[nn.Module, str
     return NextNorm(consumer, norm, parent, attribute) if norm in norms else None
 
 
-def _plan_qk_attention(norms: dict[nn.Module, str], plan: _Plan) -> None:
-    """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``)."""
-    candidates = [(name, module) for name, module, role in plan.modules if role is Role.OTHER]
+def _plan_qk_attention(norms: dict[nn.Module, str], layers: dict[nn.Module, object], plan: _Plan) -> None:
+    """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``). A module the
+    derived layers fuse residual adds in is no attention: its norms read the stream (DBRX's ``DbrxNormAttentionNorm``:
+    an input norm, the attention, the add and the next norm)."""
+    candidates = [(name, module) for name, module, role in plan.modules if role is Role.OTHER and module not in layers]
     fused_attention, skipped = qk_attention.plan_attention(candidates, norms, plan.class_problem)
     for name, module, kind in fused_attention:
         try:
