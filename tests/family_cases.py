@@ -30,7 +30,8 @@ class FamilyCase:
 
     ``norms`` patched and ``adds`` fused by a plain ``patch_model``; ``mode`` the casting mode its norms are
     recognised in (docs/numerics.md's table; None: not checked); ``qk`` the attention modules whose q/k norms and RoPE
-    run as one launch (``hf_rmsnorm.patch.qk_attention``); ``parallel``: a parallel block (one add per layer,
+    run as one launch (``hf_rmsnorm.patch.qk_attention``), ``qk_unrotated`` of them in layers that skip the RoPE
+    (their norms run apart: ``qk_launches`` launch per forward); ``parallel``: a parallel block (one add per layer,
     into the next norm's kernel); ``derived_forward``: its layers fused through the forward derived from their own
     code (``hf_rmsnorm.patch.derived_rewrite``), no registered shape fitting them.
     """
@@ -42,8 +43,14 @@ class FamilyCase:
     adds: int | None = None
     mode: str | None = None
     qk: int = 0
+    qk_unrotated: int = 0
     parallel: bool = False
     derived_forward: bool = False
+
+    @property
+    def qk_launches(self) -> int:
+        """The ``qk_norm_rope`` launches of one forward."""
+        return self.qk - self.qk_unrotated
 
     def __post_init__(self) -> None:
         # Read-only: every test shares the one row.
@@ -106,7 +113,10 @@ CASES: dict[str, FamilyCase] = {
     "olmo3": FamilyCase("olmo3", {RECOGNISED}, norms=9, adds=4, mode="fp32_affine", qk=2),
     "gpt_oss": FamilyCase("gpt_oss", {RECOGNISED}, dict(num_local_experts=4, num_experts_per_tok=2), norms=5,
                           adds=4),
-    "exaone4": FamilyCase("exaone4", {RECOGNISED}, norms=9, adds=4),
+    # A sliding layer, whose attention applies the RoPE, and a global one, which skips it (an if around the RoPE): both
+    # attention modules are fused, the global one running its norms alone.
+    "exaone4": FamilyCase("exaone4", {RECOGNISED}, dict(layer_types=["sliding_attention", "full_attention"]), norms=9,
+                          adds=4, qk=2, qk_unrotated=1),
     # Cohere's own LayerNorm class (mean-centred, no bias), recognised in the layernorm mode; its parallel layer
     # adds (residual + attention) + mlp: the second add of each layer goes into the next norm's kernel.
     "cohere": FamilyCase("cohere", {RECOGNISED}, norms=3, adds=2, mode="layernorm"),

@@ -20,7 +20,7 @@ from hf_rmsnorm.patch import qk_runtime
 # "offloaded_hybrid_chunked").
 CPU_CACHES = ["dynamic", "static", "paged"]
 GPU_CACHES = ["offloaded", "offloaded_static"]
-GENERATE_QK = ["qwen3", "gemma3_text", "olmo2"]
+GENERATE_QK = ["qwen3", "gemma3_text", "olmo2", "exaone4"]  # Exaone 4: a layer without RoPE too
 
 
 def qk_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):

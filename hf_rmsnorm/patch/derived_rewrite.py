@@ -18,6 +18,7 @@ from torch import Tensor
 from . import derived_blocks, derived_runtime, derived_source, handoff
 from .derived_blocks import DerivedBlockKind
 from .derived_loops import StackLoop, stack_layout, stack_loops
+from .derived_source import helper_call
 from .derived_sites import (
     AfterPlan, ArgumentPlan, BeforePlan, DerivedLayerKind, GuardedPlan, OutputPlan, SublayerPlan, analysed,
     signature_problem,
@@ -74,7 +75,7 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
                 frees.append(freed)
         elif isinstance(plan, ArgumentPlan):
             _replace(function, plan.call,
-                     located(_helper_call("norm_of_add", plan.call.func, plan.add.left, plan.add.right), plan.call))
+                     located(helper_call("norm_of_add", plan.call.func, plan.add.left, plan.add.right), plan.call))
         else:
             _rewrite_output(plan)
     for statements, anchor, inserted in viewing:  # after every rewrite by index: these insert statements
@@ -95,7 +96,7 @@ def fused_forward(base: type, kind: DerivedLayerKind) -> Callable[..., Tensor]:
 def _rewrite_before(plan: BeforePlan) -> tuple[list[ast.stmt], ast.stmt, str]:
     """``s = a + b`` -> ``normed, s = norm_of_sum(F, a, b)``, and ``F(s)`` in the consumer -> ``normed``; returns
     what to free after the consumer."""
-    value = _helper_call("norm_of_sum", plan.call.func, plan.add.left, plan.add.right)
+    value = helper_call("norm_of_sum", plan.call.func, plan.add.left, plan.add.right)
     return _bind_normed_sum(plan.statements, plan.index, plan.add, plan.total, value, plan.consumer, plan.call)
 
 
@@ -118,26 +119,26 @@ def _rewrite_guarded(plan: GuardedPlan, self_name_: str,
                       ast.Load())
     output = plan.site.position == "output"
     call_param = ast.Name(handoff.CALL_PARAM, ast.Load())
-    value = _helper_call("norm_of_sum_first", add.left, add.right, ast.Name(self_name_, ast.Load()), chosen, paths,
+    value = helper_call("norm_of_sum_first", add.left, add.right, ast.Name(self_name_, ast.Load()), chosen, paths,
                          *([call_param] if output else []))
     total = plan.total if plan.view is None else f"{_SUM}{add.lineno}_{add.col_offset}"
     targets = ast.Tuple([ast.Name(pending, ast.Store()), ast.Name(total, ast.Store())], ast.Store())
     plan.statements[plan.index] = located(ast.Assign([targets], value), add)
     if plan.view is not None:  # inserted after every rewrite by index (``viewing``)
         plan.view.func.value = ast.Name(total, ast.Load())
-        viewed = _helper_call("viewed_output", call_param, ast.Name(total, ast.Load()), plan.view) if output else (
+        viewed = helper_call("viewed_output", call_param, ast.Name(total, ast.Load()), plan.view) if output else (
             plan.view)
         viewing.append((plan.statements, plan.statements[plan.index],
                         located(ast.Assign([ast.Name(plan.total, ast.Store())], viewed), add)))
     for k, (consumer, call) in enumerate(zip(plan.consumers, plan.calls)):
-        taken = _helper_call("take_normed", ast.Name(pending, ast.Load()), ast.Constant(k), call.func, call.args[0])
+        taken = helper_call("take_normed", ast.Name(pending, ast.Load()), ast.Constant(k), call.func, call.args[0])
         _replace(consumer, call, located(taken, call))
     return plan.statements, plan.consumers[-1], pending
 
 
 def _rewrite_after(plan: AfterPlan) -> None:
     """``s = r + F(e)`` (or ``return ...``) -> ``s = norm_then_add(F, e, r)``; ``y = F(e)`` -> ``pass``."""
-    value = _helper_call("norm_then_add", plan.call.func, plan.call.args[0], plan.residual)
+    value = helper_call("norm_then_add", plan.call.func, plan.call.args[0], plan.residual)
     statement = ast.Return(value) if plan.total is None else ast.Assign([ast.Name(plan.total, ast.Store())], value)
     plan.statements[plan.index] = located(statement, plan.add)
     _drop_norm_binding(plan)
@@ -147,7 +148,7 @@ def _rewrite_chained_after(plan: AfterPlan) -> tuple[list[ast.stmt], ast.stmt, s
     """``s = r + F(e)`` -> ``normed, s = norm_add_norm(F, e, r, F2)``, ``y = F(e)`` -> ``pass`` and ``F2(s)`` in
     the consumer -> ``normed``; returns what to free after the consumer (as ``_rewrite_before``)."""
     _drop_norm_binding(plan)
-    value = _helper_call("norm_add_norm", plan.call.func, plan.call.args[0], plan.residual, plan.next_call.func)
+    value = helper_call("norm_add_norm", plan.call.func, plan.call.args[0], plan.residual, plan.next_call.func)
     return _bind_normed_sum(plan.statements, plan.index, plan.add, plan.total, value, plan.consumer, plan.next_call)
 
 
@@ -175,17 +176,17 @@ def _rewrite_sublayer(plan: SublayerPlan, self_name_: str) -> tuple[list[ast.stm
     statement, call = plan.statements[plan.index], plan.call
     layer = ast.Name(self_name_, ast.Load())
     if plan.consumer is None:
-        helper = _helper_call("sublayer_output", ast.Name(handoff.CALL_PARAM, ast.Load()), layer, call.func,
+        helper = helper_call("sublayer_output", ast.Name(handoff.CALL_PARAM, ast.Load()), layer, call.func,
                               *call.args)
         helper.keywords = call.keywords
         statement.value = located(helper, call)
         return None
     handed = f"{_NORMED}{call.lineno}_{call.col_offset}"
-    helper = _helper_call("sublayer_into", layer, call.func, *call.args)
+    helper = helper_call("sublayer_into", layer, call.func, *call.args)
     helper.keywords = call.keywords
     targets = ast.Tuple([statement.targets[0], ast.Name(handed, ast.Store())], ast.Store())
     plan.statements[plan.index] = located(ast.Assign([targets], located(helper, call)), statement)
-    taken = _helper_call("take_handed", ast.Name(handed, ast.Load()), plan.norm_call.func, plan.norm_call.args[0])
+    taken = helper_call("take_handed", ast.Name(handed, ast.Load()), plan.norm_call.func, plan.norm_call.args[0])
     _replace(plan.consumer, plan.norm_call, located(taken, plan.norm_call))
     return plan.statements, plan.consumer, handed
 
@@ -195,9 +196,9 @@ def _rewrite_output(plan: OutputPlan) -> None:
     ``return`` begins with ``withdraw(call)``."""
     add = plan.add
     plan.statement.value = located(
-        _helper_call("stream_sum", ast.Name(handoff.CALL_PARAM, ast.Load()), add.left, add.right), add)
+        helper_call("stream_sum", ast.Name(handoff.CALL_PARAM, ast.Load()), add.left, add.right), add)
     for branch in plan.withdrawn:
-        branch.insert(0, located(ast.Expr(_helper_call("withdraw", ast.Name(handoff.CALL_PARAM, ast.Load()))),
+        branch.insert(0, located(ast.Expr(helper_call("withdraw", ast.Name(handoff.CALL_PARAM, ast.Load()))),
                                  branch[0]))
 
 
@@ -252,14 +253,14 @@ def _rewrite_loop(loop: StackLoop, self_name_: str, feeds_final_norm: bool) -> N
     statement = loop.loop
     if isinstance(statement.iter, ast.Call):  # enumerate(self.<layers>[...]): (i, layer)
         iterated, target = statement.iter.args[0], statement.target.elts[1]
-        statement.iter.args[0] = located(_helper_call("layers_with_next", iterated), iterated)
+        statement.iter.args[0] = located(helper_call("layers_with_next", iterated), iterated)
         statement.target.elts[1] = located(ast.Tuple([target, ast.Name(following, ast.Store())], ast.Store()), target)
     else:
         iterated, target = statement.iter, statement.target
-        statement.iter = located(_helper_call("layers_with_next", iterated), iterated)
+        statement.iter = located(helper_call("layers_with_next", iterated), iterated)
         statement.target = located(ast.Tuple([target, ast.Name(following, ast.Store())], ast.Store()), target)
     call = loop.call.value
-    loop.call.value = located(_helper_call(
+    loop.call.value = located(helper_call(
         "call_layer", ast.Name(self_name_, ast.Load()), call.func, ast.Name(following, ast.Load()),
         ast.Constant(feeds_final_norm), ast.Name(_HANDED, ast.Load()), *call.args), call)
     loop.call.value.keywords = call.keywords
@@ -306,7 +307,7 @@ def fused_block_forward(base: type, kind: DerivedBlockKind) -> Callable[..., obj
     for statement, after_last in derived_blocks.resets(function, code):
         # After the last call the block withdraws what it hands on; before, what a sublayer handed on is dropped.
         def reset() -> ast.stmt:
-            return ast.Expr(_helper_call("withdraw", call_param)) if after_last else _handed_reset()
+            return ast.Expr(helper_call("withdraw", call_param)) if after_last else _handed_reset()
 
         if compares_reads(statement.test):
             branches = (statement.body, statement.orelse)
@@ -322,7 +323,7 @@ def fused_block_forward(base: type, kind: DerivedBlockKind) -> Callable[..., obj
                 branch.insert(0, located(reset(), branch[0]))
     for index, statement in enumerate(derived_blocks.site_calls(function)):
         call = statement.value
-        statement.value = located(_helper_call(
+        statement.value = located(helper_call(
             "call_sublayer", ast.Name(self_name(function), ast.Load()), call_param, ast.Name(_HANDED, ast.Load()),
             ast.Constant(index), call.func, *call.args), call)
         statement.value.keywords = call.keywords
@@ -331,7 +332,7 @@ def fused_block_forward(base: type, kind: DerivedBlockKind) -> Callable[..., obj
     body = function.body
     has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
     entry = ast.Assign([ast.Name(_HANDED, ast.Store())],
-                       _helper_call("block_input", ast.Name(self_name(function), ast.Load()), call_param))
+                       helper_call("block_input", ast.Name(self_name(function), ast.Load()), call_param))
     body.insert(int(has_docstring), located(entry, body[int(has_docstring)]))
     function.args.kwonlyargs.append(located(ast.arg(handoff.CALL_PARAM), function))
     function.args.kw_defaults.append(located(ast.Constant(None), function))
@@ -347,11 +348,7 @@ def _handed_norm_call(helper: str, handed: str, call: ast.Call) -> ast.Call:
     ``self.<norm>(x.to(...))``, then its third argument is that)."""
     argument = call.args[0]
     read = argument.func.value if isinstance(argument, ast.Call) else argument
-    return _helper_call(helper, ast.Name(handed, ast.Load()), call.func, argument, ast.Name(read.id, ast.Load()))
-
-
-def _helper_call(name: str, *args: ast.expr) -> ast.Call:
-    return ast.Call(ast.Attribute(ast.Name(derived_source.HELPERS, ast.Load()), name, ast.Load()), list(args), [])
+    return helper_call(helper, ast.Name(handed, ast.Load()), call.func, argument, ast.Name(read.id, ast.Load()))
 
 
 def _class_forward(base: type) -> derived_source.ClassForward:

@@ -45,6 +45,11 @@ from .instance_forwards import function_path
 HELPERS = "_hf_rmsnorm_derived"
 
 
+def helper_call(name: str, *args: ast.expr) -> ast.Call:
+    """The call ``_hf_rmsnorm_derived.<name>(*args)`` of a derived forward's helper."""
+    return ast.Call(ast.Attribute(ast.Name(HELPERS, ast.Load()), name, ast.Load()), list(args), [])
+
+
 @dataclass(frozen=True)
 class ClassForward:
     """A class's running forward, shown to be its source's def: ``definer`` the class whose body defines it;

@@ -569,7 +569,7 @@ def _input_link(consumer: nn.Module, input_norm: str, norms: dict[nn.Module, str
     return NextNorm(consumer, norm, parent, attribute) if norm in norms else None
 
 
-def _plan_qk_attention(norms: dict[nn.Module, str], layers: dict[nn.Module, object], plan: _Plan) -> None:
+def _plan_qk_attention(norms: dict[nn.Module, str], layers: dict[nn.Module, tuple[str, object]], plan: _Plan) -> None:
     """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``). A module the
     derived layers fuse residual adds in is no attention: its norms read the stream (DBRX's ``DbrxNormAttentionNorm``:
     an input norm, the attention, the add and the next norm)."""

@@ -13,6 +13,7 @@ business, which this module does not prove, so an attention with any module unde
 from __future__ import annotations
 
 import ast
+import copy
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from . import derived_source, qk_runtime
+from .derived_source import helper_call
 from .derived_syntax import attribute_at, located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_rope
@@ -117,10 +119,11 @@ def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., 
 
 def _rewrite(plan: SitePlan, me: str) -> None:
     """Each norm statement -> ``_hf_rmsnorm_<q|k> = <its argument>``, each ``Q = OPS(Q)`` -> ``pass``, the RoPE's
-    call -> ``norm_rope(self, self.q_norm, self.k_norm, F, <inputs>, C, S, <view args>)`` (``qk_runtime``), the
-    inputs deleted after it; every new node located at the code it stands for."""
+    call -> ``norm_rope(self, self.q_norm, self.k_norm, F, <inputs>, C, S, <view args>)`` (``qk_runtime``); an ``if``
+    around it gets ``else: Q, K = norms_apart(self, self.q_norm, self.k_norm, <inputs>, <view args>)``; the inputs
+    deleted after it; every new node located at the code it stands for."""
     statements = plan.statements
-    rope_statement = statements[plan.rope_index]
+    rope_statement = plan.rope_statement
     call = rope_statement.value
     views = []
     for chain, name in ((plan.q, _INPUTS[0]), (plan.k, _INPUTS[1])):
@@ -131,11 +134,14 @@ def _rewrite(plan: SitePlan, me: str) -> None:
             statements[j] = located(ast.Pass(), statements[j])
         view = chain.view.args if chain.view is not None else []
         views.append(located(ast.Tuple(list(view), ast.Load()), call))
-    norm = {q_or_k: _attribute(me, path) for q_or_k, path in (("q", plan.site.q_norm), ("k", plan.site.k_norm))}
-    rope_statement.value = located(ast.Call(
-        ast.Attribute(ast.Name(derived_source.HELPERS, ast.Load()), "norm_rope", ast.Load()),
-        [ast.Name(me, ast.Load()), norm["q"], norm["k"], call.func, ast.Name(_INPUTS[0], ast.Load()),
-         ast.Name(_INPUTS[1], ast.Load()), call.args[2], call.args[3], *views], []), call)
+    attention = ast.Name(me, ast.Load())
+    norms = [_attribute(me, path) for path in (plan.site.q_norm, plan.site.k_norm)]
+    inputs = [ast.Name(name, ast.Load()) for name in _INPUTS]
+    rope_statement.value = located(helper_call("norm_rope", attention, *norms, call.func, *inputs, call.args[2],
+                                                call.args[3], *views), call)
+    if plan.branch is not None:
+        apart = helper_call("norms_apart", attention, *norms, *inputs, *views)
+        plan.branch.orelse = [located(ast.Assign(copy.deepcopy(rope_statement.targets), apart), plan.branch)]
     statements.insert(plan.rope_index + 1, located(
         ast.Delete([ast.Name(name, ast.Del()) for name in _INPUTS]), rope_statement))
 

@@ -47,6 +47,14 @@ def _chain(x: Tensor, ops: tuple[str, ...], view: tuple) -> Tensor:
     return x
 
 
+def norms_apart(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, q_in: Tensor, k_in: Tensor,
+                q_view: tuple, k_view: tuple) -> tuple[Tensor, Tensor]:
+    """``OPS_q(q_norm(q_in)), OPS_k(k_norm(k_in))``: the original statements of the site's norms, where the RoPE
+    does not run (``qk_sites``' invariant 6) or cannot run fused."""
+    site = type(attention)._hf_rmsnorm_kind.site
+    return _chain(q_norm(q_in), site.q_ops, q_view), _chain(k_norm(k_in), site.k_ops, k_view)
+
+
 def norm_rope(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, q_in: Tensor, k_in: Tensor,
               cos: Tensor, sin: Tensor, q_view: tuple, k_view: tuple) -> tuple[Tensor, Tensor]:
     """``rope(OPS_q(q_norm(q_in)), OPS_k(k_norm(k_in)), cos, sin)``, from one ``qk_norm_rope`` launch when it
@@ -55,7 +63,7 @@ def norm_rope(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, 
     site = kind.site
     fused = _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k_view)
     if fused is None:
-        return rope(_chain(q_norm(q_in), site.q_ops, q_view), _chain(k_norm(k_in), site.k_ops, k_view), cos, sin)
+        return rope(*norms_apart(attention, q_norm, k_norm, q_in, k_in, q_view, k_view), cos, sin)
     q, k, q_weight, k_weight, q_eps, k_eps, mode, cast = fused
     q_out, k_out = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps=k_eps, mode=mode,
                                 per_head=site.per_head)

@@ -29,9 +29,9 @@ nothing. Each invariant below is checked; a forward breaking one keeps its norms
 says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attention).
 
 1. *The forward's own statements.* The norm statements, the statements ``Q = OPS(Q)`` and the RoPE statement are
-   statements of the forward's body itself, not inside an ``if``, loop, ``try`` or ``with`` (where they may not
-   run, run again, or be observed by a handler after an exception), and ``self.q_norm(...)`` is the value of its
-   statement (after ``OPS``): nothing else of that statement runs after the norm.
+   statements of the forward's body itself, not inside an ``if`` (but for invariant 6's), loop, ``try`` or ``with``
+   (where they may not run, run again, or be observed by a handler after an exception), and ``self.q_norm(...)``
+   is the value of its statement (after ``OPS``): nothing else of that statement runs after the norm.
 2. *Nothing in between reads or rebinds the values.* Between the first norm statement and the RoPE call, ``Q`` and
    ``K`` (which no longer hold the normed values) are read by nothing but ``OPS`` statements and the RoPE call, and
    the names the whole-projection ``view`` reads, read again at the RoPE's statement, are plain locals nothing in
@@ -51,6 +51,16 @@ says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attentio
    with the four positional arguments ``Q, K, C, S`` and bound back to ``Q, K``. At every call ``norm_rope`` checks
    that the ``F`` the statement evaluated is the function probed when patching, with the code and module-level
    functions it had then.
+6. *A RoPE under an ``if``.* The RoPE statement may instead be the last statement of the body of an ``if`` of the
+   forward's body that has no ``else``: the layers that skip the RoPE (EXAONE 4's global layers, ``if
+   self.sliding_window is None or self.is_sliding:``; AFMoE's, Flint's and OLMo-hybrid's alike). Its test only
+   reads and tests or compares what it reads (``derived_syntax.tests_reads``: no call of the model's code) and
+   reads neither ``Q`` nor ``K``; the body's statements before the RoPE are statements in between (invariant 3)
+   naming neither. The rewrite gives the ``if`` an ``else`` running the norms and ``OPS`` alone
+   (``qk_runtime.norms_apart``). Where the test holds, the forward runs the site as above; where it does not, it
+   computes what the original computed: the norms run after the test instead of before it, and the test reads
+   nothing they compute, changes nothing they read, and an exception it raises leaves what the original left (no
+   norm had anything to leave), as for the statements in between.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ from dataclasses import dataclass
 
 from . import derived_source
 from .derived_sites import plain_locals
-from .derived_syntax import attribute_path, module_call, reads_only, self_name
+from .derived_syntax import attribute_path, module_call, reads_only, self_name, tests_reads
 
 # The methods whose calls only take views, allowed in the statements between the norms and the RoPE (invariant 3).
 _VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
@@ -74,8 +84,8 @@ LAYOUTS = {(): True, (TRANSPOSE,): True, (VIEW, TRANSPOSE): False}
 class QKSite:
     """A q/k norm + RoPE site of an attention forward: the norms' attribute paths, the RoPE function's global name,
     the RoPE statement's line, whether the norms are per head (else over a token's heads together), ``OPS`` after
-    each norm (``LAYOUTS``' keys) and the paths of the modules called between the norms and the RoPE (guarded
-    as the norms are)."""
+    each norm (``LAYOUTS``' keys), the paths of the modules called between the norms and the RoPE (guarded
+    as the norms are) and the line of the ``if`` whose body runs the RoPE (invariant 6; None: no ``if``)."""
 
     q_norm: tuple[str, ...]
     k_norm: tuple[str, ...]
@@ -85,11 +95,14 @@ class QKSite:
     q_ops: tuple[str, ...]
     k_ops: tuple[str, ...]
     between: tuple[tuple[str, ...], ...]
+    branch_line: int | None = None
 
     @property
     def label(self) -> str:
         over = "per head" if self.per_head else "over each token's heads"
-        return (f"{'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} ({over}) and {self.rope} at line {self.line}")
+        under = f" (under the if at line {self.branch_line})" if self.branch_line is not None else ""
+        return (f"{'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} ({over}) and {self.rope} at line {self.line}"
+                f"{under}")
 
 
 @dataclass(eq=False)
@@ -107,13 +120,20 @@ class _Chain:
 
 @dataclass(eq=False)
 class SitePlan:
-    """``QKSite`` and the nodes of the parse it was found in, which ``qk_attention`` rewrites in place."""
+    """``QKSite`` and the nodes of the parse it was found in, which ``qk_attention`` rewrites in place:
+    ``statements`` the forward's body, ``rope_index`` the index there of the RoPE statement or of the ``if``
+    (``branch``) whose body ends with it."""
 
     site: QKSite
     statements: list[ast.stmt]
     rope_index: int
     q: _Chain
     k: _Chain
+    branch: ast.If | None
+
+    @property
+    def rope_statement(self) -> ast.Assign:
+        return self.branch.body[-1] if self.branch is not None else self.statements[self.rope_index]
 
 
 def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
@@ -135,17 +155,18 @@ def qk_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
     plain = plain_locals(forward.undecorated.__code__, function)
     reasons = []
     for r, statement in enumerate(statements):
-        rope = _rope_call(statement, forward.undecorated.__code__)
+        branch = statement if isinstance(statement, ast.If) and not statement.orelse else None
+        rope = _rope_call(branch.body[-1] if branch is not None else statement, forward.undecorated.__code__)
         if rope is None:
             continue
-        found = _site_at(statements, r, rope, me, norms, plain)
+        found = _site_at(statements, r, rope, me, norms, plain, branch)
         if isinstance(found, SitePlan):
             return found
         reasons.append(f"line {statement.lineno}: {found}")
     if reasons:
         return "; ".join(reasons)
     return ("no statement Q, K = F(Q, K, cos, sin) of a global F follows the q/k norms at the forward's top level "
-            "(invariants 1, 5)")
+            "or at the end of an if's body there (invariants 1, 5, 6)")
 
 
 def _rope_call(statement: ast.stmt, code: types.CodeType) -> tuple[str, str, str] | None:
@@ -165,9 +186,17 @@ def _rope_call(statement: ast.stmt, code: types.CodeType) -> tuple[str, str, str
     return value.func.id, q.id, k.id
 
 
-def _site_at(statements: list[ast.stmt], r: int, rope: tuple[str, str, str], me: str,
-             norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> SitePlan | str:
+def _site_at(body: list[ast.stmt], index: int, rope: tuple[str, str, str], me: str,
+             norms: frozenset[tuple[str, ...]], plain: frozenset[str], branch: ast.If | None) -> SitePlan | str:
+    """The site whose RoPE is ``body[index]``, or the last statement of ``branch`` (``body[index]``); the checks
+    run on the statements as they run up to the RoPE (``statements``), the branch's test apart (invariant 6)."""
     name, q_name, k_name = rope
+    statements = body[:index] + (branch.body if branch is not None else [body[index]])
+    r = len(statements) - 1
+    if branch is not None:
+        problem = _branch_problem(branch, (q_name, k_name))
+        if problem is not None:
+            return problem
     chains = []
     for value in (q_name, k_name):
         chain = _chain(statements, r, value, me, norms)
@@ -203,8 +232,21 @@ def _site_at(statements: list[ast.stmt], r: int, rope: tuple[str, str, str], me:
         if problem is not None:
             return problem
     site = QKSite(q_norm, k_norm, name, statements[r].lineno, LAYOUTS[q.ops], q.ops, k.ops,
-                  tuple(dict.fromkeys(between)))
-    return SitePlan(site, statements, r, q, k)
+                  tuple(dict.fromkeys(between)), None if branch is None else branch.lineno)
+    return SitePlan(site, body, index, q, k, branch)
+
+
+def _branch_problem(branch: ast.If, names: tuple[str, str]) -> str | None:
+    """Invariant 6 for the ``if`` whose body ends with the RoPE statement (its other statements are checked as the
+    statements in between are)."""
+    if not tests_reads(branch.test):
+        return (f"line {branch.lineno}: the RoPE runs under a test that does more than read and compare "
+                "(invariant 6)")
+    for node in (branch.test, *branch.body[:-1]):
+        named = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in names})
+        if named:
+            return f"line {node.lineno}: the if around the RoPE names {', '.join(named)} before it (invariant 6)"
+    return None
 
 
 def _chain(statements: list[ast.stmt], r: int, value: str, me: str,

@@ -363,6 +363,87 @@ class _InterleavedAttention(QwenAttention):
         return self.attend(query_states, key_states, value_states)
 
 
+class _CallingTestAttention(QwenAttention):
+    """6: the RoPE under an if whose test calls a function."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if torch.is_grad_enabled() or True:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _TestReadsQueriesAttention(QwenAttention):
+    """6: the if around the RoPE reads the queries, which are normed before it only in the original."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if query_states.dtype == value_states.dtype:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _RopeWithElseAttention(QwenAttention):
+    """6: an if around the RoPE with an else, which could do anything with the normed values."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        if self.head_dim:
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        else:
+            key_states = query_states
+        return self.attend(query_states, key_states, value_states)
+
+
+class _SkippedRopeAttention(QwenAttention):
+    """6, kept: the RoPE under an if of a flag (``rotary``), its norms run apart where the flag is off."""
+
+    rotary = True
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if self.rotary is not False:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+@pytest.mark.parametrize("rotary", [True, False])
+def test_a_rope_under_an_if_is_fused_where_it_runs_and_the_norms_run_apart_elsewhere(rotary, monkeypatch):
+    """Invariant 6: the test decided at every call, after the inputs of the norms are taken; one launch where the
+    RoPE runs, the norms as written (no fused launch) where it does not, the unpatched output either way."""
+    model = toy_attention_model(_SkippedRopeAttention)
+    for module in model.modules():
+        if isinstance(module, _SkippedRopeAttention):
+            module.rotary = rotary
+    expected = _run(model)
+    report = patch_model(model)
+    assert len(report.fused_qk) == 1 and "(under the if at line" in report.fused_qk[0], report
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model)
+    assert launches[0] == (1 if rotary else 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 apply_rotary_pos_emb, interleaved_rotary_pos_emb = qk_toys.apply_rotary_pos_emb, qk_toys.interleaved_rotary_pos_emb
 
 _BROKEN = [
@@ -371,8 +452,11 @@ _BROKEN = [
     (_RebindShapeAttention, "rebinds the view's hidden_shape before the RoPE (invariant 2)"),
     (_CallBetweenAttention, "more than module calls and views (invariant 3)"),
     (_OtherLayoutAttention, "nor a view (view, transpose(1, 2)) of one (invariants 1, 4)"),
-    (_LocalRopeAttention, "(invariants 1, 5)"),
+    (_LocalRopeAttention, "(invariants 1, 5, 6)"),
     (_InterleavedAttention, "does not compute the kernel's rotate_half RoPE"),
+    (_CallingTestAttention, "the RoPE runs under a test that does more than read and compare (invariant 6)"),
+    (_TestReadsQueriesAttention, "the if around the RoPE names query_states before it (invariant 6)"),
+    (_RopeWithElseAttention, "(invariants 1, 5, 6)"),
 ]
 
 
