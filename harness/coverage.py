@@ -124,6 +124,8 @@ TOWER_CLASSES = {"siglip_text_model": "SiglipTextModel"}
 ENCODER_OVERRIDES: dict[str, dict] = {
     **{t: dict(image_size=32, patch_size=8) for t in ("vit", "clip_vision_model", "siglip_vision_model")},
     "whisper": dict(max_source_positions=16, num_mel_bins=16),  # its encoder reads 2 x 16 frames of 16 bins
+    "squeezebert": dict(embedding_size=64),  # its embeddings must be as wide as its (shrunk) stream
+    "esm": dict(vocab_size=33, pad_token_id=1, mask_token_id=32),  # its default has no vocabulary (ESM-2's is 33)
 }
 # The largest model built: a type whose sizes the shrinking misses stays small enough for a CPU check.
 MAX_PARAMETERS = 20_000_000
