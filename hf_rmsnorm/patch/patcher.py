@@ -395,7 +395,8 @@ def _plan_derived_layers(
             if registered_problem or any(child in norms for child in layer.children()):
                 unreadable = derived_source.class_forward(cls)  # why its source gave no calls, if it did
                 reason = registered_problem or (unreadable if isinstance(unreadable, str) else
-                                                f"{_class_path(cls)}.forward calls none of its patched norms")
+                                                f"{_class_path(cls)}.forward calls none of its patched norms "
+                                                "itself (the calls of the methods it calls are not read)")
                 plan.report.skipped.append((name, f"residual adds not fused: {reason}"))
             continue
         sublayers = _sublayer_candidates(layer, calls[cls][1], norms, layers, plan, sublayer_kinds)

@@ -56,6 +56,27 @@ def test_every_layernorm_patched_adds_fused_and_parity_in_fp32_and_bf16(model_ty
         patch_model(build(model_type), layernorm="rmsnorm")
 
 
+def test_a_pre_ln_bert_patches_its_norms_with_parity_and_says_why_its_adds_stay_apart():
+    """ESM (XLM-RoBERTa-XL's, RoBERTa-PreLayerNorm's and Megatron-BERT's layout): each add sits in a ``*Output``
+    module, and the norm reading the sum in the layer's ``feed_forward_chunk`` method or the next layer's attention;
+    every LayerNorm is patched with parity (the coverage page's judgement), each add stays apart with its reason."""
+    model = coverage._build("esm", coverage.ENCODER, "EsmModel")
+    truth = coverage._logits(copy.deepcopy(model).double(), inputs := coverage._inputs(model, coverage.ENCODER))
+    eager32 = coverage._logits(model, inputs)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    eager16 = coverage._logits(bf16, inputs)
+    report = patch_model(model)
+    patch_model(bf16)
+    assert len(report.norms) == 5 and not report.fused_adds, report
+    result = coverage.Coverage("esm", "EsmModel", "")
+    verdict, reason = coverage._judge(result, truth, eager32, coverage._logits(model, inputs), eager16,
+                                      coverage._logits(bf16, inputs))
+    assert verdict == "norms only", reason
+    reasons = dict(report.skipped)
+    assert "EsmLayer.forward calls none of its patched norms itself" in reasons["encoder.layer.0"]
+    assert "its output's add can only go into the next norm's kernel" in reasons["encoder.layer.0.attention"]
+
+
 def test_a_layernorm_of_the_models_own_class_follows_the_layernorm_option():
     """DeBERTa's ``DebertaLayerNorm`` (the ``deberta`` mode, recognised by its numerics): left alone with
     ``layernorm="skip"`` (then nothing is left to patch), refused with ``layernorm="rmsnorm"``; the model untouched
