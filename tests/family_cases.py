@@ -163,6 +163,12 @@ CASES: dict[str, FamilyCase] = {
     "nemotron_h": _derived("nemotron_h", 4),
     "minimax": _derived("minimax", 4),
     "gemma4_text": _derived("gemma4_text", 6),
+    # Gemma 4's attention normalises and rotates its queries and keys each on its own (a RoPE function of one tensor):
+    # one launch each; the last layer reads the keys of the layer before it (KV sharing) and normalises its queries
+    # only. Its global layers rotate a quarter of each head (proportional RoPE: cos is 1 on the rest).
+    "gemma4_text_qk": FamilyCase("gemma4_text", set(), dict(
+        num_hidden_layers=3, num_kv_shared_layers=1, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "full_attention"]), norms=24, adds=9, qk=3),
     "apertus": _derived("apertus", 4),
     "mamba": _derived("mamba", 2),
     "bamba": _derived("bamba", 4),

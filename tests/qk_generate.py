@@ -20,7 +20,8 @@ from hf_rmsnorm.patch import qk_runtime
 # "offloaded_hybrid_chunked").
 CPU_CACHES = ["dynamic", "static", "paged"]
 GPU_CACHES = ["offloaded", "offloaded_static"]
-GENERATE_QK = ["qwen3", "gemma3_text", "olmo2", "exaone4"]  # Exaone 4: a layer without RoPE too
+# Exaone 4: a layer without RoPE too; Gemma 4: the queries and keys rotated one at a time, a KV-sharing layer.
+GENERATE_QK = ["qwen3", "gemma3_text", "olmo2", "exaone4", "gemma4_text_qk"]
 
 
 def qk_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):

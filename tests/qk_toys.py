@@ -28,6 +28,13 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 
 
+def rotary_one(x, cos, sin, unsqueeze_dim=1):
+    """Hugging Face's RoPE of one tensor, as Gemma 3n and Gemma 4 write it."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
 def partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """Partial rotary, as GLM and Qwen3-Next write it: the first cos.shape[-1] columns rotated."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
@@ -110,6 +117,25 @@ class GemmaAttention(QwenAttention):
         key_states = self.k_norm(key_states)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class OneTensorAttention(QwenAttention):
+    """Gemma 4's layout: the queries and the keys each normalised and rotated on their own, before the transpose."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        cos, sin = position_embeddings
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        query_states = self.q_norm(query_states)
+        query_states = rotary_one(query_states, cos, sin, unsqueeze_dim=2)
+        query_states = query_states.transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_norm(key_states)
+        key_states = rotary_one(key_states, cos, sin, unsqueeze_dim=2)
+        key_states = key_states.transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         return self.attend(query_states, key_states, value_states)
 
 

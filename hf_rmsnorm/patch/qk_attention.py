@@ -1,4 +1,5 @@
-"""The attention modules whose query/key norms and RoPE run as one ``qk_norm_rope`` launch: planned
+"""The attention modules whose query/key norms and RoPE run as one ``qk_norm_rope`` launch (or one per tensor, where
+the attention normalises and rotates its queries and keys each on its own: ``qk_sites.one_sites``): planned
 (``plan_attention``), their kind (``QKAttentionKind``) and their forward, derived from the attention's own code with
 its q/k site rewritten (``fused_attention_forward``; ``qk_sites.py`` finds the site and says why the rewrite is
 exact, ``qk_probe.py`` accepts the RoPE function, ``qk_runtime.py`` runs it).
@@ -25,8 +26,8 @@ from . import derived_source, qk_runtime
 from .derived_source import helper_call
 from .derived_syntax import attribute_at, located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
-from .qk_probe import RopeVerdict, probe_rope
-from .qk_sites import QKSite, SitePlan, module_calls, qk_site
+from .qk_probe import RopeVerdict, probe_one_tensor_rope, probe_rope
+from .qk_sites import OnePlan, OneSite, QKSite, SitePlan, module_calls, one_sites, qk_site
 from .report import QK_APART
 
 # The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
@@ -37,14 +38,15 @@ UNFUSED = QK_APART
 
 @dataclass(frozen=True)
 class QKAttentionKind:
-    """An attention class whose q/k site (``site``) runs as one launch: ``rope`` the RoPE function the probe accepted,
+    """An attention class whose q/k site (``site``) runs as one launch, or whose one-tensor sites (``site`` a tuple of
+    them: Gemma 3n's and Gemma 4's queries and keys) one launch each: ``rope`` the RoPE function the probe accepted,
     with its code, defaults and the module-level functions it reads (``rope_globals``: ``rotate_half``), which
     ``qk_runtime`` checks at every call; ``dtypes`` (each (norm output, cos) dtype pair the function computes as the
     kernel does, and whether it casts the result back to the norm's dtype) and ``partial`` what the probe found
     (``qk_probe``)."""
 
     class_path: str
-    site: QKSite
+    site: QKSite | tuple[OneSite, ...]
     rope: types.FunctionType
     rope_code: types.CodeType
     rope_defaults: tuple | None
@@ -55,7 +57,23 @@ class QKAttentionKind:
     @property
     def label(self) -> str:
         rotary = "full and partial rotary" if self.partial else "full rotary"
-        return f"{self.site.label} -> one qk_norm_rope launch ({rotary})"
+        if isinstance(self.site, QKSite):
+            return f"{self.site.label} -> one qk_norm_rope launch ({rotary})"
+        each = " each" if len(self.site) > 1 else ""
+        return f"{'; '.join(s.label for s in self.site)} -> one qk_norm_rope launch{each} ({rotary})"
+
+    @property
+    def rope_name(self) -> str:
+        """The RoPE function's name in its modeling module."""
+        return self.site.rope if isinstance(self.site, QKSite) else self.site[0].rope
+
+    @property
+    def watched_paths(self) -> tuple[tuple[str, ...], ...]:
+        """The modules whose hooks make the attention run its original forward: the norms and the modules called
+        between them and the RoPE."""
+        if isinstance(self.site, QKSite):
+            return (self.site.q_norm, self.site.k_norm, *self.site.between)
+        return tuple(s.norm for s in self.site)
 
     def __deepcopy__(self, memo: dict) -> QKAttentionKind:
         return self  # immutable: a copied fused module shares its class, and the probe's verdict
@@ -73,9 +91,13 @@ def _kind(class_path: str, site: QKSite, rope: types.FunctionType, verdict: Rope
                            verdict.partial)
 
 
-def _probed_kind(class_path: str, site: QKSite, rope: types.FunctionType) -> QKAttentionKind:
-    verdict = probe_rope(rope)
+def _probed_kind(class_path: str, site: QKSite | tuple[OneSite, ...], rope: types.FunctionType) -> QKAttentionKind:
+    verdict = _probe(rope, one_tensor=not isinstance(site, QKSite))
     return _kind(class_path, site, rope, RopeVerdict((), False) if isinstance(verdict, str) else verdict)
+
+
+def _probe(rope: types.FunctionType, one_tensor: bool) -> RopeVerdict | str:
+    return probe_one_tensor_rope(rope) if one_tensor else probe_rope(rope)
 
 
 def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
@@ -87,14 +109,22 @@ def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
         return forward
     plan = qk_site(forward, forward.node, norms)
     if isinstance(plan, str):
-        return plan
-    site = plan.site
-    rope = forward.undecorated.__globals__.get(site.rope)
+        ones = one_sites(forward, forward.node, norms)
+        if not ones:
+            return plan
+        site: QKSite | tuple[OneSite, ...] = tuple(one.site for one in ones)
+        if len({one.rope for one in site}) > 1:
+            return f"its one-tensor sites call different RoPE functions ({', '.join(sorted({o.rope for o in site}))})"
+    else:
+        site = plan.site
+    name = site.rope if isinstance(site, QKSite) else site[0].rope
+    rope = forward.undecorated.__globals__.get(name)
     if not isinstance(rope, types.FunctionType):
-        return f"{site.rope} is not a Python function of {cls.__module__}"
-    if rope not in verdicts:
-        verdicts[rope] = probe_rope(rope)
-    verdict = verdicts[rope]
+        return f"{name} is not a Python function of {cls.__module__}"
+    one_tensor = not isinstance(site, QKSite)
+    if (rope, one_tensor) not in verdicts:
+        verdicts[rope, one_tensor] = _probe(rope, one_tensor)
+    verdict = verdicts[rope, one_tensor]
     if isinstance(verdict, str):
         return verdict
     return _kind(f"{cls.__module__}.{cls.__qualname__}", site, rope, verdict)
@@ -110,10 +140,17 @@ def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., 
     if isinstance(forward, str):
         raise ValueError(f"cannot derive a fused attention forward for {base.__qualname__}: {forward}")
     function = forward.node
-    plan = qk_site(forward, function, frozenset({kind.site.q_norm, kind.site.k_norm}))
-    if isinstance(plan, str) or plan.site != kind.site:
-        raise ValueError(f"{base.__qualname__}.forward no longer has {kind.site.label}")
-    _rewrite(plan, self_name(function))
+    if isinstance(kind.site, QKSite):
+        plan = qk_site(forward, function, frozenset({kind.site.q_norm, kind.site.k_norm}))
+        if isinstance(plan, str) or plan.site != kind.site:
+            raise ValueError(f"{base.__qualname__}.forward no longer has {kind.site.label}")
+        _rewrite(plan, self_name(function))
+    else:
+        ones = one_sites(forward, function, frozenset(one.norm for one in kind.site))
+        if tuple(one.site for one in ones) != kind.site:
+            raise ValueError(f"{base.__qualname__}.forward no longer has {kind.label}")
+        for one in ones:
+            _rewrite_one(one, self_name(function))
     return derived_source.compile_forward(forward, function, qk_runtime)
 
 
@@ -146,6 +183,18 @@ def _rewrite(plan: SitePlan, me: str) -> None:
         ast.Delete([ast.Name(name, ast.Del()) for name in _INPUTS]), rope_statement))
 
 
+def _rewrite_one(plan: OnePlan, me: str) -> None:
+    """The norm statement ``X = self.x_norm(A)`` -> ``X = norm_rope_one(self.x_norm, A, F, C, S, self)``, the RoPE's
+    ``X = F(X, C, S, unsqueeze_dim=2)`` -> ``pass`` (``qk_sites``' "One tensor at a time")."""
+    norm_statement, rope_statement = plan.block[plan.index], plan.block[plan.index + 1]
+    rope = rope_statement.value
+    value = helper_call("norm_rope_one", _attribute(me, plan.site.norm), norm_statement.value.args[0], rope.func,
+                        rope.args[1], rope.args[2], ast.Name(me, ast.Load()))
+    plan.block[plan.index] = located(ast.Assign(copy.deepcopy(norm_statement.targets), located(value, rope)),
+                                     norm_statement)
+    plan.block[plan.index + 1] = located(ast.Pass(), rope_statement)
+
+
 def _attribute(me: str, path: tuple[str, ...]) -> ast.expr:
     node: ast.expr = ast.Name(me, ast.Load())
     for attr in path:
@@ -170,25 +219,30 @@ def plan_attention(modules: list[tuple[str, nn.Module]], norms: dict[nn.Module, 
                    class_problem: Callable[[type], str | None]) -> tuple[list[tuple[str, nn.Module, QKAttentionKind]],
                                                                         list[tuple[str, str]]]:
     """The attention modules among ``modules`` (the model's, with their names) whose q/k site is fused, and why each
-    other module with two patched norms among its children is not (``(name, reason)`` for the report)."""
+    other module with two patched norms among its children is not (``(name, reason)`` for the report). A module with
+    one patched norm is fused where that norm is a one-tensor site's (Gemma 4's KV-sharing layers normalise only their
+    queries), and left alone unreported otherwise."""
     fused: list[tuple[str, nn.Module, QKAttentionKind]] = []
     skipped: list[tuple[str, str]] = []
     verdicts: dict[object, RopeVerdict | str] = {}
     kinds: dict[tuple[type, frozenset], QKAttentionKind | str] = {}
     for name, module in modules:
         # A container of norms (LongCat-Flash's ModuleList of two input norms) calls none of them itself.
-        if isinstance(module, _CONTAINERS) or sum(child in norms for child in module.children()) < 2:
+        held = sum(child in norms for child in module.children())
+        if isinstance(module, _CONTAINERS) or not held:
             continue
         cls = type(module)
         source = derived_source.class_forward(cls)
         paths = frozenset(path for path in module_calls(cls) if attribute_at(module, path) in norms)
-        if isinstance(source, str) or len(paths) < 2:
-            if isinstance(source, str):  # why its source gave no calls
+        if isinstance(source, str) or not paths:
+            if isinstance(source, str) and held >= 2:  # why its source gave no calls
                 skipped.append((name, f"{UNFUSED}{class_problem(cls) or source}"))
             continue
         if (cls, paths) not in kinds:
             kinds[cls, paths] = class_problem(cls) or attention_kind(cls, paths, verdicts)
         kind = kinds[cls, paths]
+        if len(paths) < 2 and isinstance(kind, str):
+            continue
         problem = kind if isinstance(kind, str) else instance_problem(module) or _tensor_parallel_problem(module)
         if problem is None:
             fused.append((name, module, kind))

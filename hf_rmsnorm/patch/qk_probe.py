@@ -58,6 +58,18 @@ def probe_rope(rope: object) -> RopeVerdict | str:
     return RopeVerdict(tuple(full.items()), partial)
 
 
+def probe_one_tensor_rope(rope: object) -> RopeVerdict | str:
+    """``probe_rope``'s verdict on ``rope`` called on one tensor as Gemma 3n and 4 call it (``qk_sites.one_sites``):
+    ``rope(x, cos, sin, unsqueeze_dim=2)``, ``x`` ``[batch, tokens, heads, head_dim]``, on the queries and on the
+    keys in turn (the layout the probe gives a function of both, transposed back)."""
+
+    def both(q, k, cos, sin):
+        return tuple(rope(x.transpose(1, 2), cos, sin, unsqueeze_dim=2).transpose(1, 2) for x in (q, k))
+
+    both.__qualname__ = getattr(rope, "__qualname__", repr(rope))
+    return probe_rope(both)
+
+
 def _agrees(rope, norm_dtype: torch.dtype, cos_dtype: torch.dtype, rotary_dim: int,
             generator: torch.Generator) -> bool | None:
     """Whether ``rope`` computes the kernel's output (False) or that output cast to ``norm_dtype`` (True) on one

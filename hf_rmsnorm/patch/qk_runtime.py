@@ -23,15 +23,15 @@ def attention_forward(self, *args, **kwargs):
     forward was replaced since patching (another library's wrapper runs, unfused)."""
     cls = type(self)
     forward = cls._hf_rmsnorm_base.forward
-    if forward is not cls._hf_rmsnorm_checked_forward or _watched(self, cls._hf_rmsnorm_kind.site):
+    if forward is not cls._hf_rmsnorm_checked_forward or _watched(self, cls._hf_rmsnorm_kind.watched_paths):
         return forward(self, *args, **kwargs)
     return cls._hf_rmsnorm_body(self, *args, **kwargs)
 
 
-def _watched(attention: nn.Module, site) -> bool:
+def _watched(attention: nn.Module, paths: tuple[tuple[str, ...], ...]) -> bool:
     if guard.watched(attention):
         return True
-    for path in (site.q_norm, site.k_norm, *site.between):
+    for path in paths:
         module = attention
         for attr in path:
             module = getattr(module, attr, None)
@@ -72,12 +72,44 @@ def norm_rope(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, 
     return q_out, k_out
 
 
-def _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k_view):
-    """``qk_norm_rope``'s arguments (q and k ``[batch, tokens, heads, head_dim]``, weights, eps, mode) and the dtype to
-    cast its outputs to (None: none), where it computes what the original statements do: ``rope`` is the function probed
-    when patching (``qk_probe``), with the module-level functions it read then; both norms patched norms of one casting
-    mode, without a bias; plain tensors (no DTensor, no subclass); the layouts of ``qk_sites``' invariant 4; ``cos``'s
-    rotary width and the (norm output, cos) dtype pair probed; the operator's own argument checks passed. None
+def norm_rope_one(norm: nn.Module, x_in: Tensor, rope, cos: Tensor, sin: Tensor, attention: nn.Module) -> Tensor:
+    """``rope(norm(x_in), cos, sin, unsqueeze_dim=2)`` (``qk_sites``' "One tensor at a time"), from one
+    ``qk_norm_rope`` launch of ``x_in`` with no key heads where it computes that (``_one_tensor_arguments``)."""
+    fused = _one_tensor_arguments(type(attention)._hf_rmsnorm_kind, norm, rope, x_in, cos, sin)
+    if fused is None:
+        return rope(norm(x_in), cos, sin, unsqueeze_dim=2)
+    weight, eps, mode, cast = fused
+    out, _ = qk_norm_rope(x_in, _no_heads(x_in), weight, None, cos, sin, eps, k_eps=eps, mode=mode, per_head=True)
+    out = out.transpose(1, 2)  # back to x_in's [batch, tokens, heads, head_dim], as the function returns it
+    return out if cast is None else out.to(cast)
+
+
+def _no_heads(x: Tensor) -> Tensor:
+    """``x`` with no heads: the absent key of a one-tensor launch."""
+    return x[:, :, :0]
+
+
+def _one_tensor_arguments(kind, norm, rope, x_in, cos, sin):
+    """``(weight, eps, mode, cast)`` for ``norm_rope_one`` where one launch computes what its statements do: the
+    checks of ``_fused_arguments`` on one norm, ``x_in`` ``[batch, tokens, heads, head_dim]``. None otherwise."""
+    parameters = _probed_rope_and_norms(kind, rope, (norm,), (x_in, cos, sin))
+    if parameters is None or x_in.dim() != 4:
+        return None
+    ((norm_kind, weight, eps),) = parameters
+    cast = _probed_cast(kind, get_mode(norm_kind.mode).output_dtype(x_in.dtype, weight, None), x_in, cos, sin)
+    if cast is None:
+        return None
+    try:
+        check_qk_norm_rope(x_in, _no_heads(x_in), weight, None, cos, sin, eps, eps, norm_kind.mode, True)
+    except (TypeError, ValueError):
+        return None
+    return weight, eps, norm_kind.mode, cast[0]
+
+
+def _probed_rope_and_norms(kind, rope, norms: tuple[nn.Module, ...], tensors: tuple) -> list | None:
+    """Each norm's ``(kind, weight, eps)`` where ``rope`` is the function probed when patching (``qk_probe``), with
+    the module-level functions it read then, the norms are patched norms of one casting mode, without a bias, with
+    a weight that is no DTensor and a numeric eps, and ``tensors`` are plain tensors (no DTensor, no subclass); None
     otherwise."""
     if not (rope is kind.rope and rope.__code__ is kind.rope_code and rope.__defaults__ == kind.rope_defaults):
         return None
@@ -85,16 +117,47 @@ def _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k
     for name, value in kind.rope_globals:
         if module_globals.get(name) is not value:
             return None
-    q_kind = getattr(type(q_norm), "_hf_rmsnorm_kind", None)
-    k_kind = getattr(type(k_norm), "_hf_rmsnorm_kind", None)
-    if not (isinstance(q_kind, NormKind) and isinstance(k_kind, NormKind) and q_kind.mode == k_kind.mode):
+    if any(type(t) is not Tensor for t in tensors):
         return None
-    for norm, norm_kind in ((q_norm, q_kind), (k_norm, k_kind)):
+    found = []
+    for norm in norms:
+        norm_kind = getattr(type(norm), "_hf_rmsnorm_kind", None)
+        if not isinstance(norm_kind, NormKind) or (found and norm_kind.mode != found[0][0].mode):
+            return None
         if norm_kind.bias_attr is not None and getattr(norm, norm_kind.bias_attr) is not None:
             return None
-    for t in (q_in, k_in, cos, sin):
-        if type(t) is not Tensor:
+        weight = None if norm_kind.weight_attr is None else getattr(norm, norm_kind.weight_attr)
+        eps = getattr(norm, norm_kind.eps_attr)
+        if holds_dtensor(weight) or not isinstance(eps, (int, float)):
             return None
+        found.append((norm_kind, weight, float(eps)))
+    return found
+
+
+def _probed_cast(kind, norm_dtype: torch.dtype, x: Tensor, cos: Tensor,
+                 sin: Tensor) -> tuple[torch.dtype | None] | None:
+    """``(the dtype the function casts its result to, or None)`` where the probe found the function to compute the
+    kernel's RoPE for ``(norm_dtype, cos.dtype)``, ``cos`` is ``[batch or 1, tokens, rotary_dim]`` of a rotary width
+    probed (the head's, or less where the function rotates part of it) and no gradient reaches the tables; None
+    otherwise."""
+    if cos.dim() != 3 or (cos.shape[-1] != x.shape[-1] and not kind.partial):
+        return None
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        return None
+    casts = [cast for pair, cast in kind.dtypes if pair == (norm_dtype, cos.dtype)]
+    return (norm_dtype if casts[0] else None,) if casts else None
+
+
+def _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k_view):
+    """``qk_norm_rope``'s arguments (q and k ``[batch, tokens, heads, head_dim]``, weights, eps, mode) and the dtype to
+    cast its outputs to (None: none), where it computes what the original statements do: the function, the norms and
+    the tensors as ``_probed_rope_and_norms`` wants them; the layouts of ``qk_sites``' invariant 4; ``cos``'s rotary
+    width and the (norm output, cos) dtype pair probed (``_probed_cast``); the operator's own argument checks passed.
+    None otherwise."""
+    parameters = _probed_rope_and_norms(kind, rope, (q_norm, k_norm), (q_in, k_in, cos, sin))
+    if parameters is None:
+        return None
+    (q_kind, q_weight, q_eps), (_, k_weight, k_eps) = parameters
     site = kind.site
     q_states, k_states = _chain(q_in, site.q_ops, q_view), _chain(k_in, site.k_ops, k_view)
     dims = 4 if site.per_head else 3
@@ -103,26 +166,15 @@ def _fused_arguments(kind, q_norm, k_norm, rope, q_in, k_in, cos, sin, q_view, k
     q, k = q_states.transpose(1, 2), k_states.transpose(1, 2)
     if not site.per_head and (q.shape[:2] != q_in.shape[:2] or k.shape[:2] != k_in.shape[:2]):
         return None
-    if cos.dim() != 3 or (cos.shape[-1] != q.shape[-1] and not kind.partial):
-        return None
-    q_weight = None if q_kind.weight_attr is None else getattr(q_norm, q_kind.weight_attr)
-    k_weight = None if k_kind.weight_attr is None else getattr(k_norm, k_kind.weight_attr)
-    if holds_dtensor(q_weight, k_weight):
-        return None
     mode = get_mode(q_kind.mode)
     norm_dtype = mode.output_dtype(q.dtype, q_weight, None)
     if mode.output_dtype(k.dtype, k_weight, None) != norm_dtype:
         return None
-    casts = [cast for pair, cast in kind.dtypes if pair == (norm_dtype, cos.dtype)]
-    if not casts:
-        return None
-    q_eps, k_eps = getattr(q_norm, q_kind.eps_attr), getattr(k_norm, k_kind.eps_attr)
-    if not (isinstance(q_eps, (int, float)) and isinstance(k_eps, (int, float))):
-        return None
-    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+    cast = _probed_cast(kind, norm_dtype, q, cos, sin)
+    if cast is None:
         return None
     try:
-        check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, float(q_eps), float(k_eps), q_kind.mode, site.per_head)
+        check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, q_kind.mode, site.per_head)
     except (TypeError, ValueError):
         return None
-    return q, k, q_weight, k_weight, float(q_eps), float(k_eps), q_kind.mode, norm_dtype if casts[0] else None
+    return q, k, q_weight, k_weight, q_eps, k_eps, q_kind.mode, cast[0]

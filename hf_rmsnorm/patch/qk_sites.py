@@ -61,6 +61,24 @@ says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attentio
    computes what the original computed: the norms run after the test instead of before it, and the test reads
    nothing they compute, changes nothing they read, and an exception it raises leaves what the original left (no
    norm had anything to leave), as for the statements in between.
+
+**One tensor at a time** (``one_sites``). Gemma 3n and Gemma 4 normalise and rotate the queries and the keys each on
+its own, with a RoPE function of one tensor, the keys under the KV-sharing ``if``::
+
+    X = self.x_norm(A)                               ->  X = norm_rope_one(self.x_norm, A, F, C, S, self)
+    X = F(X, C, S, unsqueeze_dim=2)                  ->  pass
+
+Each such pair of statements is a site (``OneSite``) where: both are statements of one block of the forward's body
+or of the bodies of its ``if`` statements, the RoPE statement right after the norm's; the norm is a patched norm
+called with one argument ``A`` (binding no name), its output named ``X`` and given at once as ``F``'s first
+argument; ``F`` a global of the module (invariant 5), called with ``X``, two arguments ``C`` and ``S`` that only read
+and do not read ``X``, and the keyword ``unsqueeze_dim=2`` alone: ``X`` is ``[batch, tokens, heads, head_dim]``, its
+norm per head, and ``F`` broadcasts ``cos`` over the heads. The rewrite evaluates ``self.x_norm`` and ``A`` first, as
+the norm statement does, then ``F``, ``C`` and ``S``, which the original evaluates after the norm's call: that call
+changes none of them (a norm changes nothing but its output) and nothing runs in between. ``norm_rope_one``
+(``qk_runtime``) makes the checks ``norm_rope`` makes, and runs the one norm and the RoPE as ``qk_norm_rope`` of
+``X`` with no key heads; otherwise the two statements as written. ``F`` passes the probe as a function of one tensor
+(``qk_probe.probe_one_tensor_rope``).
 """
 
 from __future__ import annotations
@@ -71,7 +89,7 @@ from dataclasses import dataclass
 
 from . import derived_source
 from .derived_sites import plain_locals
-from .derived_syntax import attribute_path, module_call, reads_only, self_name, tests_reads
+from .derived_syntax import assigned_name, attribute_path, module_call, reads_only, self_name, tests_reads
 
 # The methods whose calls only take views, allowed in the statements between the norms and the RoPE (invariant 3).
 _VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
@@ -103,6 +121,29 @@ class QKSite:
         under = f" (under the if at line {self.branch_line})" if self.branch_line is not None else ""
         return (f"{'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} ({over}) and {self.rope} at line {self.line}"
                 f"{under}")
+
+
+@dataclass(frozen=True)
+class OneSite:
+    """A norm + RoPE site of one tensor (``one_sites``): the norm's attribute path, the RoPE function's global name,
+    the RoPE statement's line."""
+
+    norm: tuple[str, ...]
+    rope: str
+    line: int
+
+    @property
+    def label(self) -> str:
+        return f"{'.'.join(self.norm)} (per head) and {self.rope} at line {self.line}"
+
+
+@dataclass(eq=False)
+class OnePlan:
+    """``OneSite`` and the block holding its statements: the norm's at ``index``, the RoPE's after it."""
+
+    site: OneSite
+    block: list[ast.stmt]
+    index: int
 
 
 @dataclass(eq=False)
@@ -167,6 +208,49 @@ def qk_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
         return "; ".join(reasons)
     return ("no statement Q, K = F(Q, K, cos, sin) of a global F follows the q/k norms at the forward's top level "
             "or at the end of an if's body there (invariants 1, 5, 6)")
+
+
+def one_sites(forward: derived_source.ClassForward, function: ast.FunctionDef,
+              norms: frozenset[tuple[str, ...]]) -> list[OnePlan]:
+    """The one-tensor sites of ``function`` (a parse of ``forward``'s def of its own) whose norm calls are
+    ``self.<path>`` for ``path`` in ``norms``, in source order."""
+    me = self_name(function)
+    code = forward.undecorated.__code__
+    return [plan for block in _if_blocks(function.body) for i in range(len(block) - 1)
+            if (plan := _one_site_at(block, i, me, norms, code)) is not None]
+
+
+def _if_blocks(block: list[ast.stmt]) -> list[list[ast.stmt]]:
+    """``block`` and the bodies and ``else`` blocks of its ``if`` statements, theirs in turn."""
+    blocks = [block]
+    for statement in block:
+        if isinstance(statement, ast.If):
+            blocks += _if_blocks(statement.body) + (_if_blocks(statement.orelse) if statement.orelse else [])
+    return blocks
+
+
+def _one_site_at(block: list[ast.stmt], i: int, me: str, norms: frozenset[tuple[str, ...]],
+                 code: types.CodeType) -> OnePlan | None:
+    norm_statement, rope_statement = block[i], block[i + 1]
+    name = assigned_name(norm_statement)
+    path = module_call(norm_statement.value, me) if name is not None else None
+    if path is None or path not in norms or assigned_name(rope_statement) != name:
+        return None
+    if any(isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) for n in ast.walk(norm_statement.value)):
+        return None
+    call = rope_statement.value
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and len(call.args) == 3
+            and isinstance(call.args[0], ast.Name) and call.args[0].id == name
+            and call.func.id not in code.co_varnames + code.co_cellvars + code.co_freevars):
+        return None
+    if not (len(call.keywords) == 1 and call.keywords[0].arg == "unsqueeze_dim"
+            and isinstance(call.keywords[0].value, ast.Constant) and type(call.keywords[0].value.value) is int
+            and call.keywords[0].value.value == 2):
+        return None
+    for table in call.args[1:]:
+        if not reads_only(table) or any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(table)):
+            return None
+    return OnePlan(OneSite(path, call.func.id, rope_statement.lineno), block, i)
 
 
 def _rope_call(statement: ast.stmt, code: types.CodeType) -> tuple[str, str, str] | None:

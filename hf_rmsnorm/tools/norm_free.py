@@ -11,7 +11,7 @@ patch removes, so the oracle makes that RoPE function return its inputs too (``r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:  # imported by the GPU suite's report, which runs without torch
@@ -29,21 +29,29 @@ def _rope_pass_through(q: Tensor, k: Tensor, *args, **kwargs) -> tuple[Tensor, T
     return q, k
 
 
-def fused_ropes(model: nn.Module) -> list[tuple[dict, str]]:
-    """The RoPE functions of the attention modules of patched ``model`` whose q/k norms run with them as one
-    launch: ``(the modeling module's namespace, the function's name)``, each once."""
-    from ..patch.qk_attention import QKAttentionKind
+def _one_tensor_rope_pass_through(x: Tensor, *args, **kwargs) -> Tensor:
+    return x
 
-    found: dict[tuple[int, str], tuple[dict, str]] = {}
+
+def fused_ropes(model: nn.Module) -> list[tuple[dict, str, Callable]]:
+    """The RoPE functions of the attention modules of patched ``model`` whose q/k norms run with them as one
+    launch: ``(the modeling module's namespace, the function's name, its norm-free stand-in)``, each once (the
+    stand-in returns the query and key, or the one tensor of a one-tensor site's function)."""
+    from ..patch.qk_attention import QKAttentionKind
+    from ..patch.qk_sites import QKSite
+
+    found: dict[tuple[int, str], tuple[dict, str, Callable]] = {}
     for module in model.modules():
         kind = type(module).__dict__.get("_hf_rmsnorm_kind")
         if isinstance(kind, QKAttentionKind):
-            found[id(kind.rope.__globals__), kind.site.rope] = (kind.rope.__globals__, kind.site.rope)
+            stand_in = _rope_pass_through if isinstance(kind.site, QKSite) else _one_tensor_rope_pass_through
+            found[id(kind.rope.__globals__), kind.rope_name] = (kind.rope.__globals__, kind.rope_name, stand_in)
     return list(found.values())
 
 
 @contextlib.contextmanager
-def norm_free(model: nn.Module, norm_names: list[str], ropes: Sequence[tuple[dict, str]] = ()) -> Iterator[None]:
+def norm_free(model: nn.Module, norm_names: list[str],
+              ropes: Sequence[tuple[dict, str, Callable]] = ()) -> Iterator[None]:
     """Within the block, the modules of ``model`` named in ``norm_names`` return their input, and the functions
     ``ropes`` names (``fused_ropes``) their query and key.
 
@@ -56,17 +64,17 @@ def norm_free(model: nn.Module, norm_names: list[str], ropes: Sequence[tuple[dic
     if missing:
         raise ValueError(f"norm_free: {missing[0]} is not a module of the model")
     replaced = [modules[name] for name in norm_names]
-    functions = [(namespace, name, namespace[name]) for namespace, name in ropes]
+    functions = [(namespace, name, namespace[name], stand_in) for namespace, name, stand_in in ropes]
     for module in replaced:
         module.forward = _pass_through
-    for namespace, name, _ in functions:
-        namespace[name] = _rope_pass_through
+    for namespace, name, _, stand_in in functions:
+        namespace[name] = stand_in
     try:
         yield
     finally:
         for module in replaced:
             del module.forward
-        for namespace, name, function in functions:
+        for namespace, name, function, _ in functions:
             namespace[name] = function
 
 

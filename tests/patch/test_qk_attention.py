@@ -5,6 +5,7 @@ others, the checks made at every call, the hooks and wrappers that make the orig
 
 from __future__ import annotations
 
+import pickle
 
 import pytest
 import torch
@@ -12,7 +13,14 @@ import torch
 import qk_toys
 from qk_generate import counting_launches
 from qk_toys import (
-    HEAD_DIM, GemmaAttention, OlmoAttention, PartialRotaryAttention, QwenAttention, toy_attention_model, toy_inputs,
+    HEAD_DIM,
+    GemmaAttention,
+    OlmoAttention,
+    OneTensorAttention,
+    PartialRotaryAttention,
+    QwenAttention,
+    toy_attention_model,
+    toy_inputs,
 )
 from hf_rmsnorm import patch_model, unpatch_model
 from hf_rmsnorm.patch import qk_probe
@@ -52,6 +60,89 @@ def test_each_layout_runs_one_launch_and_computes_as_unpatched(attention, per_he
     unpatch_model(model)
     assert type(model.attention) is attention
     assert torch.equal(_run(model, dtype), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_tensor_sites_run_one_launch_each_and_compute_as_unpatched(dtype, monkeypatch):
+    """Gemma 4's layout (``qk_sites``' "One tensor at a time"): the queries' and the keys' norm and RoPE one launch
+    each, the output the unpatched one's to the norms' rounding (bitwise in bf16 on these rows); a hook on the keys'
+    norm runs the original forward."""
+    model = toy_attention_model(OneTensorAttention, dtype)
+    expected = _run(model, dtype)
+    report = patch_model(model)
+    lines = [_line(OneTensorAttention, f"rotary_one({x}_states") for x in ("query", "key")]
+    assert report.fused_qk == [f"attention: q_norm (per head) and rotary_one at line {lines[0]}; k_norm (per head) "
+                               f"and rotary_one at line {lines[1]} -> one qk_norm_rope launch each (full rotary)"]
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model, dtype)
+    assert launches[0] == 2
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 0.0}[dtype]
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+    loaded = pickle.loads(pickle.dumps(model))  # its kind probes the function again
+    with counting_launches(monkeypatch) as launches:
+        assert torch.equal(_run(loaded, dtype), got)
+    assert launches[0] == 2
+    seen = []
+    model.attention.k_norm.register_forward_hook(lambda module, args, output: seen.append(output))
+    with counting_launches(monkeypatch) as launches:
+        hooked = _run(model, dtype)
+    assert launches[0] == 0 and len(seen) == 1
+    assert (hooked.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+    unpatch_model(model)
+    assert type(model.attention) is OneTensorAttention
+
+
+class _OneTensorStatementBetween(QwenAttention):
+    """One tensor: a statement between the norm and the RoPE."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        cos, sin = position_embeddings
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = rotary_one(query_states, cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
+        key_states = rotary_one(key_states, cos, sin, unsqueeze_dim=2).transpose(1, 2)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _OneTensorOtherAxis(QwenAttention):
+    """One tensor: the RoPE broadcast over another axis than the heads (the default unsqueeze_dim=1 on
+    ``[batch, tokens, heads, head_dim]``)."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        cos, sin = position_embeddings
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_norm(query_states)
+        query_states = rotary_one(query_states, cos, sin)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_norm(key_states)
+        key_states = rotary_one(key_states, cos, sin)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        return self.attend(query_states, key_states, value_states)
+
+
+@pytest.mark.parametrize("attention", [_OneTensorStatementBetween, _OneTensorOtherAxis])
+def test_one_tensor_statements_of_another_form_run_as_written(attention, monkeypatch):
+    """Only ``X = self.x_norm(A)`` directly followed by ``X = F(X, C, S, unsqueeze_dim=2)`` is a one-tensor site: a
+    statement in between, a RoPE chained with a transpose, or another broadcast axis leave the attention as written,
+    with the reason."""
+    model = toy_attention_model(attention)
+    expected = _run(model)
+    report = patch_model(model)
+    assert not report.fused_qk and _qk_skips(report), report
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model)
+    assert launches[0] == 0 and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def _line(cls, text: str) -> int:
+    import inspect
+    lines, start = inspect.getsourcelines(cls.forward)
+    return start + next(i for i, line in enumerate(lines) if text in line)
 
 
 def _rope_line(cls) -> int:
@@ -445,6 +536,7 @@ def test_a_rope_under_an_if_is_fused_where_it_runs_and_the_norms_run_apart_elsew
 
 
 apply_rotary_pos_emb, interleaved_rotary_pos_emb = qk_toys.apply_rotary_pos_emb, qk_toys.interleaved_rotary_pos_emb
+rotary_one = qk_toys.rotary_one
 
 _BROKEN = [
     (_BranchAttention, "otherwise than binding it to its norm's output or a view of it (invariants 1, 2)"),

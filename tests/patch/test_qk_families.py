@@ -66,7 +66,7 @@ def test_parity_with_the_unpatched_model(name, monkeypatch):
     assert launches[0] >= 2 * CASES[name].qk_launches
 
 
-@pytest.mark.parametrize("name", [*MAIN_QK, "exaone4"])
+@pytest.mark.parametrize("name", [*MAIN_QK, "exaone4", "gemma4_text_qk"])
 @pytest.mark.parametrize("checkpointing", [None, "reentrant", "non-reentrant"])
 def test_gradients_match_the_unpatched_model(name, checkpointing, monkeypatch):
     """Gradients within 1e-4 of the largest, without and with either kind of activation checkpointing."""

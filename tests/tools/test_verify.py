@@ -520,9 +520,28 @@ def test_norm_free_oracle_makes_the_rope_fused_with_q_k_norms_return_its_inputs(
     rope = modeling_qwen3.apply_rotary_pos_emb
     norms = patch_model(model).norms
     ropes = fused_ropes(model)
-    assert ropes == [(modeling_qwen3.__dict__, "apply_rotary_pos_emb")]
+    assert [(namespace, name) for namespace, name, _ in ropes] == [(modeling_qwen3.__dict__, "apply_rotary_pos_emb")]
     unpatch_model(model)
     q, k = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32)
     with norm_free(model, norms, ropes):
         assert modeling_qwen3.apply_rotary_pos_emb(q, k, None, None) == (q, k)
     assert modeling_qwen3.apply_rotary_pos_emb is rope
+
+
+def test_norm_free_oracle_makes_a_one_tensor_rope_return_its_input():
+    """Gemma 4 rotates its queries and keys each with a function of one tensor: the oracle's stand-in returns it."""
+    from patch_models import tiny_model
+    from transformers.models.gemma4 import modeling_gemma4
+
+    from hf_rmsnorm.tools.norm_free import fused_ropes, norm_free
+
+    model = tiny_model("gemma4_text")
+    rope = modeling_gemma4.apply_rotary_pos_emb
+    norms = patch_model(model).norms
+    ropes = fused_ropes(model)
+    assert [(namespace, name) for namespace, name, _ in ropes] == [(modeling_gemma4.__dict__, "apply_rotary_pos_emb")]
+    unpatch_model(model)
+    x = torch.randn(1, 3, 2, 16)
+    with norm_free(model, norms, ropes):
+        assert modeling_gemma4.apply_rotary_pos_emb(x, None, None, unsqueeze_dim=2) is x
+    assert modeling_gemma4.apply_rotary_pos_emb is rope
