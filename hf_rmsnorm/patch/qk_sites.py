@@ -69,7 +69,9 @@ its own, with a RoPE function of one tensor, the keys under the KV-sharing ``if`
     X = F(X, C, S, unsqueeze_dim=2)                  ->  pass
 
 Each such pair of statements is a site (``OneSite``) where: both are statements of one block of the forward's body
-or of the bodies of its ``if`` statements, the RoPE statement right after the norm's; the norm is a patched norm
+or of the bodies of its ``if`` statements (no loop, which could run them again with other values bound, no ``try``,
+whose handler could see ``X`` normed and not yet rotated after an exception), the RoPE statement right after the
+norm's; the norm is a patched norm
 called with one argument ``A`` (binding no name), its output named ``X`` and given at once as ``F``'s first
 argument; ``F`` a global of the module (invariant 5), called with ``X``, two arguments ``C`` and ``S`` that only read
 and do not read ``X``, and the keyword ``unsqueeze_dim=2`` alone: ``X`` is ``[batch, tokens, heads, head_dim]``, its
