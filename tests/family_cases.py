@@ -185,6 +185,9 @@ CASES: dict[str, FamilyCase] = {
                         derived_forward=True),
     # MPT's MLP returns its add too (``output + residual``), which its block returns: into the next block's norm.
     "mpt": _derived("mpt", 4),
+    # AFMoE's MoE returns its experts' sum too, which post_mlp_layernorm reads; that norm's output goes into the
+    # residual add, fused with it: the sublayer's sum stays apart (a norm call is fused with one add).
+    "afmoe": _derived("afmoe", 6),
 }
 
 

@@ -504,6 +504,7 @@ class _Analysis:
         self.up = parents(function)
         self.result = LayerAnalysis()
         self._block(function.body, None, ())
+        self._drop_overlapping_sublayers()
         self._unchain_overlaps()
         self._input_norm()
 
@@ -549,6 +550,16 @@ class _Analysis:
             or self._output(statements, i, after, enclosing)
             or self._argument_sums(statements[i])
         )
+
+    def _drop_overlapping_sublayers(self) -> None:
+        """Drops the sublayer sites whose norm call another plan rewrites: AFMoE's MoE returns its experts' sum, which
+        its ``post_mlp_layernorm`` reads, whose output the layer then adds to the residual (an ``after`` site). A norm
+        call is fused with one add: the residual's, the site recorded before sublayers were read."""
+        taken = {id(plan.statements[plan.dropped]) for plan in self.result.plans
+                 if isinstance(plan, AfterPlan) and plan.dropped is not None}
+        for plan in [p for p in self.result.plans if isinstance(p, SublayerPlan) and id(p.consumer) in taken]:
+            self.result.plans.remove(plan)
+            self._refuse(plan.site, "its norm's output goes into a residual add fused with that norm")
 
     def _unchain_overlaps(self) -> None:
         """Unchains the ``after`` sites whose consumer another plan rewrites (``y = F2(s); t = q + y`` is an
