@@ -20,10 +20,12 @@ from .fused import base_class
 # (``recognition.py``) or given a derived forward (``derived_rewrite.py``), stacks recognised or read from their code.
 DECODER_LAYER_SUFFIXES = ("DecoderLayer", "Block", "Layer")
 STACK_SUFFIXES = ("Model", "Decoder", "Encoder", "Transformer", "Stack")
-# A class is named as a norm when its name ends with the word Norm (torch's BatchNorm2d: with a dimension after it),
-# not wherever it says Norm: RoBERTa-PreLayerNorm's ``RobertaPreLayerNormLayer`` is a layer, Wav2Vec2's
-# ``Wav2Vec2LayerNormConvLayer`` a convolution.
+# A name ending with the word Norm (torch's BatchNorm2d: with a dimension after it). A module holding modules whose
+# name says Norm elsewhere is named after a norm it applies, not a norm: RoBERTa-PreLayerNorm's
+# ``RobertaPreLayerNormLayer`` is a layer, Wav2Vec2's ``Wav2Vec2LayerNormConvLayer`` a convolution (``role_of``).
 _NAMED_NORM = re.compile(r"Norm(?:[123]d)?$")
+# torch's norm classes: a subclass is a norm whatever its name and whatever it holds.
+_TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
 # The layer and stack words of a composite's name (``role_of``): a suffix word followed by another word that does not
 # make it a norm's name (the Layer of LayerNorm).
 _LAYER_WORD = re.compile(rf"(?:{'|'.join(DECODER_LAYER_SUFFIXES)})(?!Norm)(?=[A-Z]|$)")
@@ -39,7 +41,7 @@ class Role(Enum):
     RMS_NORM_LIKE = "torch's nn.RMSNorm, or a class named *RMSNorm*: recognised by what it computes"
     OWN_LAYER_NORM = ("a model's own class named *LayerNorm, or a subclass of nn.LayerNorm: recognised by what it "
                       "computes, centred modes included")
-    OTHER_NORM = "any other class whose name ends with Norm (or Norm1d-3d): reported, never patched"
+    OTHER_NORM = "any other norm class of torch's, or class named *Norm*: reported, never patched"
     REGISTERED_LAYER = "a decoder-layer class a family names"
     DECODER_LAYER = "a class named *DecoderLayer, *Block or *Layer: recognised by its code, or derived"
     REGISTERED_STACK = "a layer-stack class a family names"
@@ -80,7 +82,7 @@ def norm_role(cls: type) -> Role | None:
         return Role.TORCH_LAYER_NORM
     if issubclass(cls, nn.LayerNorm) or cls.__name__.endswith("LayerNorm"):
         return Role.OWN_LAYER_NORM
-    if _NAMED_NORM.search(cls.__name__):
+    if issubclass(cls, _TORCH_NORMS) or "Norm" in cls.__name__:
         return Role.OTHER_NORM
     return None
 
@@ -90,33 +92,32 @@ def holds_norms(module: nn.Module) -> bool:
     return any(norm_role(type(child)) is not None for child in module.children())
 
 
-def role_of(cls: type, registry: Registry, *, composite: bool = False) -> Role:
+def role_of(cls: type, registry: Registry, *, holds_modules: bool = False, composite: bool = False) -> Role:
     """What a module of class ``cls`` is, the registry's classes first, then by type and name.
 
-    ``composite``: whether the module holds norms of its own (``holds_norms``). A class that only its name makes a
-    norm and that holds norms is named after the norms it applies, not a norm: Wav2Vec2's pre-LN
-    ``Wav2Vec2EncoderLayerStableLayerNorm`` and ``Wav2Vec2EncoderStableLayerNorm`` (a layer and its stack), DBRX's
-    ``DbrxNormAttentionNorm`` (norm, attention, add, norm). It is then a layer or a stack by a layer or stack word of
-    its name (``EncoderLayer``, ``Encoder``), else any other module."""
+    ``holds_modules``: whether the module has children; ``composite``: whether one of them is a norm
+    (``holds_norms``). A class that only its name makes a norm (no norm class of torch's is among its bases) is no
+    norm when it holds modules and its name says Norm before its last word (``RobertaPreLayerNormLayer``), or when it
+    holds norms: it is named after the norms it applies (Wav2Vec2's pre-LN ``Wav2Vec2EncoderLayerStableLayerNorm`` and
+    ``Wav2Vec2EncoderStableLayerNorm``, a layer and its stack; DBRX's ``DbrxNormAttentionNorm``: norm, attention, add,
+    norm). It is then a layer or a stack by its name's last word, or for a composite by a layer or stack word in it
+    (``EncoderLayer``, ``Encoder``), else any other module."""
     if base_class(cls) is not None:
         return Role.PATCHED
     if cls in registry.norms:
         return Role.REGISTERED_NORM
     role = norm_role(cls)
-    if role is not None and not (composite and _named_only(cls)):
+    named_after_norms = not issubclass(cls, _TORCH_NORMS) and (
+        composite or (holds_modules and not _NAMED_NORM.search(cls.__name__)))
+    if role is not None and not named_after_norms:
         return role
     if cls in registry.layers:
         return Role.REGISTERED_LAYER
     if cls in registry.stacks:
         return Role.REGISTERED_STACK
     name = cls.__name__
-    if name.endswith(DECODER_LAYER_SUFFIXES) or (role is not None and _LAYER_WORD.search(name)):
+    if name.endswith(DECODER_LAYER_SUFFIXES) or (composite and role is not None and _LAYER_WORD.search(name)):
         return Role.DECODER_LAYER
-    if name.endswith(STACK_SUFFIXES) or (role is not None and _STACK_WORD.search(name)):
+    if name.endswith(STACK_SUFFIXES) or (composite and role is not None and _STACK_WORD.search(name)):
         return Role.STACK
     return Role.OTHER
-
-
-def _named_only(cls: type) -> bool:
-    """Whether only its name makes ``cls`` a norm (no norm class of torch's is among its bases)."""
-    return not issubclass(cls, (nn.LayerNorm, nn.RMSNorm))

@@ -272,7 +272,8 @@ def _plan(root: nn.Module, layernorm: str) -> _Plan:
     """Decides every change before any is made: which norms, layers and stacks to swap, which layers hand their
     MLP residual sum to which norm, and what happens to the LayerNorms."""
     reg = registry()
-    modules = [(name, module, role_of(type(module), reg, composite=holds_norms(module)))
+    modules = [(name, module, role_of(type(module), reg, holds_modules=next(module.children(), None) is not None,
+                                      composite=holds_norms(module)))
                for name, module in root.named_modules()]
     layernorms = plan_layernorms(type(root).__name__, modules, reg.stacks, layernorm)
     report = PatchReport(
@@ -571,9 +572,10 @@ def _input_link(consumer: nn.Module, input_norm: str, norms: dict[nn.Module, str
 
 
 def _plan_qk_attention(norms: dict[nn.Module, str], layers: dict[nn.Module, tuple[str, object]], plan: _Plan) -> None:
-    """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``). A module the
-    derived layers fuse residual adds in is no attention: its norms read the stream (DBRX's ``DbrxNormAttentionNorm``:
-    an input norm, the attention, the add and the next norm)."""
+    """Plans the attention modules whose q/k norms and RoPE run as one launch (``qk_attention.py``). A module planned
+    as a derived layer (``layers``: one class swap per module) is no candidate: its norms read its input or a
+    residual sum (DBRX's ``DbrxNormAttentionNorm``: an input norm, the attention, the add and the next norm; BLT's
+    cross-attention, whose ``q_norm`` and ``k_norm`` normalise its two inputs, no RoPE following)."""
     candidates = [(name, module) for name, module, role in plan.modules if role is Role.OTHER and module not in layers]
     fused_attention, skipped = qk_attention.plan_attention(candidates, norms, plan.class_problem)
     for name, module, kind in fused_attention:

@@ -8,6 +8,7 @@ import torch
 from patch_models import tiny_model
 from torch import nn
 from transformers import DbrxConfig, DbrxForCausalLM, Wav2Vec2Config, Wav2Vec2Model
+from transformers.models.bit.modeling_bit import BitGroupNormActivation
 from transformers.models.dbrx.modeling_dbrx import DbrxNormAttentionNorm
 from transformers.models.roberta_prelayernorm.modeling_roberta_prelayernorm import (
     RobertaPreLayerNormLayer,
@@ -42,11 +43,6 @@ class GatedRMSNorm(nn.Module):  # a name that says RMSNorm is looked at, and lef
     (CohereLayerNorm, Role.OWN_LAYER_NORM),
     (nn.GroupNorm, Role.OTHER_NORM),
     (nn.BatchNorm2d, Role.OTHER_NORM),
-    # Norm in the middle of a name does not make a norm: RoBERTa-PreLayerNorm's layer and model, Wav2Vec2's
-    # convolution with a LayerNorm.
-    (RobertaPreLayerNormLayer, Role.DECODER_LAYER),
-    (RobertaPreLayerNormModel, Role.STACK),
-    (Wav2Vec2LayerNormConvLayer, Role.DECODER_LAYER),
     (LlamaDecoderLayer, Role.REGISTERED_LAYER),
     (GPT2Block, Role.REGISTERED_LAYER),
     (MambaBlock, Role.DECODER_LAYER),
@@ -78,13 +74,26 @@ def test_a_patched_module_is_patched_whatever_it_was():
 
 
 @pytest.mark.parametrize("cls, role", [
+    # Holding modules, a class whose name says Norm before its last word is judged by that word: RoBERTa-
+    # PreLayerNorm's layer and model, Wav2Vec2's convolution with a LayerNorm.
+    (RobertaPreLayerNormLayer, Role.DECODER_LAYER),
+    (RobertaPreLayerNormModel, Role.STACK),
+    (Wav2Vec2LayerNormConvLayer, Role.DECODER_LAYER),
+    (BitGroupNormActivation, Role.OTHER_NORM),  # a subclass of torch's GroupNorm is a norm whatever it holds
+])
+def test_a_class_holding_modules_and_saying_norm_before_its_last_word_is_judged_by_that_word(cls, role):
+    assert role_of(cls, registry(), holds_modules=True) is role
+    assert role_of(cls, registry()) is norm_role(cls) is Role.OTHER_NORM  # a leaf so named is a norm
+
+
+@pytest.mark.parametrize("cls, role", [
     (Wav2Vec2EncoderLayerStableLayerNorm, Role.DECODER_LAYER),  # a pre-LN layer named after its norms
     (Wav2Vec2EncoderStableLayerNorm, Role.STACK),  # its stack
     (DbrxNormAttentionNorm, Role.OTHER),  # norm, attention, add, norm: a sublayer
     (nn.LayerNorm, Role.TORCH_LAYER_NORM),  # a norm class of torch's is a norm whatever it holds
 ])
 def test_a_class_named_after_the_norms_it_holds_is_judged_by_its_other_words(cls, role):
-    assert role_of(cls, registry(), composite=True) is role
+    assert role_of(cls, registry(), holds_modules=True, composite=True) is role
     assert role_of(cls, registry()) is norm_role(cls)  # holding no norm, its name makes it a norm
 
 
