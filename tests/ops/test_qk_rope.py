@@ -358,6 +358,21 @@ def test_backward_with_one_output_unused():
     assert not dk.any() and not dkw.any() and dq.any() and dqw.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_launch_without_key_heads_gives_the_queries_of_one_with_keys(dtype):
+    """Gemma 3n's and Gemma 4's one-tensor sites launch the queries (or the keys) alone, with no key heads and no
+    key weight: the outputs and the gradients of the tensor and its weight are bitwise those of the same tensor
+    launched beside keys."""
+    family, leaves, cos, sin, grad_outputs = _backward_case("gemma3", dtype, (2, 5, 4, 2, 64, 64), seed=47)
+    q, k, q_weight, k_weight = leaves
+    q_out, _ = _ours(family, q, k, q_weight, k_weight, cos, sin)
+    with_keys = torch.autograd.grad(q_out, (q, q_weight), grad_outputs[0])
+    alone, no_keys = qk_norm_rope(q, q[:, :, :0], q_weight, None, cos, sin, EPS, mode=family.mode, per_head=True)
+    assert no_keys.shape == (2, 0, 5, 64) and torch.equal(alone, q_out)
+    for got, want in zip(torch.autograd.grad(alone, (q, q_weight), grad_outputs[0]), with_keys):
+        assert torch.equal(got, want)
+
+
 def test_gradients_flow_without_weights():
     family, leaves, cos, sin, grad_outputs = _backward_case("qwen3", torch.float32, (1, 2, 2, 1, 64, 64), seed=45)
     q, k = leaves[:2]
