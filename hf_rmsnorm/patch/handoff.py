@@ -254,7 +254,8 @@ def _linked_call(layer: nn.Module, consumer: nn.Module | None, norm: nn.Module |
                  handed: tuple[nn.Module, Tensor] | None, args: tuple, kwargs: dict):
     """``(layer(*args, **kwargs), (consumer, normed sum) or None)``: ``layer`` receiving what ``handed`` made for
     it, and handing its output sum to ``norm`` for ``consumer`` (checked by the caller), if any."""
-    receives = handed is not None and handed[0] is layer and bool(args)
+    # len(), not bool(): torch 2.11's Dynamo cannot trace bool() of a tuple (fullgraph compilation failed on a GPU).
+    receives = handed is not None and handed[0] is layer and len(args) > 0
     if norm is None and not receives:
         return layer(*args, **kwargs), None
     if receives:
