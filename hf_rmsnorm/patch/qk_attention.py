@@ -65,7 +65,7 @@ class QKAttentionKind:
     @property
     def rope_name(self) -> str:
         """The RoPE function's name in its modeling module."""
-        return self.site.rope if isinstance(self.site, QKSite) else self.site[0].rope
+        return _rope_name(self.site)
 
     @property
     def watched_paths(self) -> tuple[tuple[str, ...], ...]:
@@ -92,12 +92,17 @@ def _kind(class_path: str, site: QKSite, rope: types.FunctionType, verdict: Rope
 
 
 def _probed_kind(class_path: str, site: QKSite | tuple[OneSite, ...], rope: types.FunctionType) -> QKAttentionKind:
-    verdict = _probe(rope, one_tensor=not isinstance(site, QKSite))
+    verdict = _probe(rope, site)
     return _kind(class_path, site, rope, RopeVerdict((), False) if isinstance(verdict, str) else verdict)
 
 
-def _probe(rope: types.FunctionType, one_tensor: bool) -> RopeVerdict | str:
-    return probe_one_tensor_rope(rope) if one_tensor else probe_rope(rope)
+def _rope_name(site: QKSite | tuple[OneSite, ...]) -> str:
+    return site.rope if isinstance(site, QKSite) else site[0].rope
+
+
+def _probe(rope: types.FunctionType, site: QKSite | tuple[OneSite, ...]) -> RopeVerdict | str:
+    """The probe's verdict on ``rope`` called as ``site`` calls it: on q and k, or on one tensor."""
+    return probe_rope(rope) if isinstance(site, QKSite) else probe_one_tensor_rope(rope)
 
 
 def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
@@ -117,14 +122,14 @@ def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
             return f"its one-tensor sites call different RoPE functions ({', '.join(sorted({o.rope for o in site}))})"
     else:
         site = plan.site
-    name = site.rope if isinstance(site, QKSite) else site[0].rope
+    name = _rope_name(site)
     rope = forward.undecorated.__globals__.get(name)
     if not isinstance(rope, types.FunctionType):
         return f"{name} is not a Python function of {cls.__module__}"
-    one_tensor = not isinstance(site, QKSite)
-    if (rope, one_tensor) not in verdicts:
-        verdicts[rope, one_tensor] = _probe(rope, one_tensor)
-    verdict = verdicts[rope, one_tensor]
+    key = (rope, isinstance(site, QKSite))  # a function is probed once per way of calling it
+    if key not in verdicts:
+        verdicts[key] = _probe(rope, site)
+    verdict = verdicts[key]
     if isinstance(verdict, str):
         return verdict
     return _kind(f"{cls.__module__}.{cls.__qualname__}", site, rope, verdict)

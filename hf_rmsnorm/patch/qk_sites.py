@@ -71,16 +71,15 @@ its own, with a RoPE function of one tensor, the keys under the KV-sharing ``if`
 Each such pair of statements is a site (``OneSite``) where: both are statements of one block of the forward's body
 or of the bodies of its ``if`` statements (no loop, which could run them again with other values bound, no ``try``,
 whose handler could see ``X`` normed and not yet rotated after an exception), the RoPE statement right after the
-norm's; the norm is a patched norm
-called with one argument ``A`` (binding no name), its output named ``X`` and given at once as ``F``'s first
-argument; ``F`` a global of the module (invariant 5), called with ``X``, two arguments ``C`` and ``S`` that only read
-and do not read ``X``, and the keyword ``unsqueeze_dim=2`` alone: ``X`` is ``[batch, tokens, heads, head_dim]``, its
-norm per head, and ``F`` broadcasts ``cos`` over the heads. The rewrite evaluates ``self.x_norm`` and ``A`` first, as
-the norm statement does, then ``F``, ``C`` and ``S``, which the original evaluates after the norm's call: that call
-changes none of them (a norm changes nothing but its output) and nothing runs in between. ``norm_rope_one``
-(``qk_runtime``) makes the checks ``norm_rope`` makes, and runs the one norm and the RoPE as ``qk_norm_rope`` of
-``X`` with no key heads; otherwise the two statements as written. ``F`` passes the probe as a function of one tensor
-(``qk_probe.probe_one_tensor_rope``).
+norm's; the norm is a patched norm called with one argument ``A`` (binding no name), its output named ``X`` and
+given at once as ``F``'s first argument; ``F`` a global of the module (invariant 5), called with ``X``, two
+arguments ``C`` and ``S`` that only read and do not read ``X``, and the keyword ``unsqueeze_dim=2`` alone: ``X`` is
+``[batch, tokens, heads, head_dim]``, its norm per head, and ``F`` broadcasts ``cos`` over the heads. The rewrite
+evaluates ``self.x_norm`` and ``A`` first, as the norm statement does, then ``F``, ``C`` and ``S``, which the
+original evaluates after the norm's call: that call changes none of them (a norm changes nothing but its output) and
+nothing runs in between. ``norm_rope_one`` (``qk_runtime``) makes the checks ``norm_rope`` makes, and runs the one
+norm and the RoPE as ``qk_norm_rope`` of ``X`` with no key heads; otherwise the two statements as written. ``F``
+passes the probe as a function of one tensor (``qk_probe.probe_one_tensor_rope``).
 """
 
 from __future__ import annotations
