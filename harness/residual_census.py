@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from hf_rmsnorm.ops import reference
 from hf_rmsnorm.ops.functional import BoundNorm
 from hf_rmsnorm.patch import fused
 
@@ -46,6 +47,9 @@ _VIEWS = {torch.reshape, Tensor.reshape, Tensor.view}
 # and the one a sandwich's two norms call together (``hf_rmsnorm.patch.sandwich``), which adds once too.
 _ADDING_KERNELS = ("fused_add_norm", "norm_add", "norm_add_norm")
 _PACKAGE = Path(fused.__file__).resolve().parents[1]
+# The PyTorch implementation of the ops (CPU tensors where the kernels are compiled for a GPU, fp64): the adds it
+# makes are the fused ops' own, each inside one call that ``fused_adds`` counts.
+_OPS_IN_PYTORCH = str(Path(reference.__file__).resolve())
 
 
 class _Census(TorchFunctionMode):
@@ -114,7 +118,8 @@ class _Census(TorchFunctionMode):
 
 
 class _AddSites(TorchFunctionMode):
-    """The code sites of every add of two same-shaped tensors ``width`` wide."""
+    """The code sites of every add of two same-shaped tensors ``width`` wide, but those of a fused op run by its
+    PyTorch implementation (``_in_pytorch_ops``)."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -124,9 +129,19 @@ class _AddSites(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _ADDS and len(args) >= 2 and all(
             isinstance(a, Tensor) and a.shape[-1:] == (self.width,) for a in args[:2]
-        ) and args[0].shape == args[1].shape:
+        ) and args[0].shape == args[1].shape and not _in_pytorch_ops():
             self.sites[_caller_site()] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _in_pytorch_ops() -> bool:
+    """Whether the add running is made by the ops' PyTorch implementation (``_OPS_IN_PYTORCH``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == _OPS_IN_PYTORCH:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _caller_site() -> str:

@@ -1,6 +1,8 @@
 """patch_model on LayerNorm decoders: the exact fused LayerNorm (default) and the explicit conversion to RMSNorm.
 
-Kernels in Triton's interpreter. Logits are compared with the unpatched model and an fp64 copy of it. The
+The models run where the kernels do: on the GPU when there is one (CPU tensors there would take the PyTorch
+implementation instead, ``hf_rmsnorm.ops.backend``), otherwise on the CPU with the kernels in Triton's interpreter.
+Logits are compared with the unpatched model and an fp64 copy of it. The
 default path must stay exact whatever happens to the model afterwards (adapters, merges, weight edits, casts,
 training with dropout, compile); the conversion (``layernorm="rmsnorm"``) changes the weights once, when asked,
 and the report says which.
@@ -31,11 +33,12 @@ from hf_rmsnorm import (
     rms_norm_add,
     unpatch_model,
 )
-from hf_rmsnorm.ops import functional
+from hf_rmsnorm.ops import backend, functional
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.patch import conversion
 
 V = 128
+DEVICE = "cpu" if backend.kernels_interpreted() else "cuda"
 FAMILIES = names(LAYERNORM)
 PARALLEL = [family for family in FAMILIES if CASES[family].parallel]
 
@@ -54,11 +57,11 @@ def tiny(family, dtype=torch.float32, seed=0, **overrides):
                 p.normal_(1.0, 0.3) if name.endswith("weight") else p.normal_(0.0, 0.1)
             else:
                 p.add_(0.01)
-    return model.to(dtype).eval()
+    return model.to(DEVICE, dtype).eval()
 
 
 def ids(batch=2, seq=8, seed=1):
-    return torch.randint(3, V, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(3, V, (batch, seq), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def logits(model, x, **kwargs):
@@ -178,7 +181,7 @@ def test_conversion_leaves_tied_embeddings_tied_and_untouched():
 def test_inputs_embeds_from_outside_are_exact(layernorm):
     model = tiny("phi")
     x = ids()
-    embeds = torch.randn(2, 8, 64) + 0.5  # not centred, not from the model's table
+    embeds = torch.randn(2, 8, 64, device=DEVICE) + 0.5  # not centred, not from the model's table
     expected = logits(model, None, inputs_embeds=embeds)
     patch_model(model, layernorm=layernorm)
     assert err(logits(model, None, inputs_embeds=embeds), expected) <= 1e-5 * expected.abs().max().item()
@@ -306,7 +309,7 @@ def test_torch_compile_fullgraph_of_a_layernorm_model(family):
 @pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
 def test_copying_one_norm_or_one_layer_copies_that_subtree_only(layernorm):
     model = tiny("gpt_neox")
-    x = torch.randn(2, 5, 64)
+    x = torch.randn(2, 5, 64, device=DEVICE)
     patch_model(model, layernorm=layernorm)
     layer = model.gpt_neox.layers[0]
     for original in (layer.input_layernorm, layer):
@@ -473,7 +476,8 @@ def test_gpt2_with_cross_attention_fuses_through_its_derived_forward():
     apart there, and the block's own add goes into ``ln_2``."""
     model = tiny("gpt2", add_cross_attention=True)
     x = ids(seed=4)
-    encoder_states = torch.randn(x.shape[0], 5, model.config.n_embd, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    encoder_states = torch.randn(x.shape[0], 5, model.config.n_embd, generator=g).to(DEVICE)
     with torch.no_grad():
         truth = model(x, encoder_hidden_states=encoder_states).logits
     report = patch_model(model)
@@ -559,9 +563,9 @@ def _trained_like(rows, n_cols, dtype, seed):
     """Inputs, a residual, and a weight ~ N(1, 0.5) and a bias ~ N(0, 0.5) as training leaves them (never the
     ones and zeros of a fresh module, which would hide swapped or dropped parameters)."""
     g = torch.Generator().manual_seed(seed)
-    x, residual = (torch.randn(rows, n_cols, generator=g, dtype=torch.float64).to(dtype) for _ in range(2))
-    weight = (1 + 0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(dtype)
-    bias = (0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(dtype)
+    x, residual = (torch.randn(rows, n_cols, generator=g, dtype=torch.float64).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
+    bias = (0.5 * torch.randn(n_cols, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
     return [t.requires_grad_() for t in (x, residual, weight, bias)]
 
 
@@ -595,7 +599,7 @@ def test_layer_norm_functions_are_the_deprecated_layernorm_mode_bit_for_bit(name
         assert a.dtype == b.dtype and torch.equal(a, b)
 
     g = torch.Generator().manual_seed(1)
-    upstream = [torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype) for out in new]
+    upstream = [torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype) for out in new]
     new_grads = torch.autograd.grad(new, inputs, upstream, allow_unused=True)
     old_grads = torch.autograd.grad(old, inputs, upstream, allow_unused=True)
     for a, b, leaf in zip(new_grads, old_grads, ("x", "residual", "weight", "bias")):
@@ -683,10 +687,10 @@ def test_layernorm_variants_are_patched_exactly(name, dtype):
     with torch.no_grad():
         for pname, p in norm.named_parameters():  # Nemotron's weight is an offset from 1: around 0
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if pname == "weight" and "1p" not in name else 0))
-    norm = norm.to(dtype)
+    norm = norm.to(DEVICE, dtype)
     container = nn.Sequential(norm)
-    x = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(dtype)
-    r = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(dtype)
+    x = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(DEVICE, dtype)
+    r = (torch.randn(4, 7, WIDTH, generator=gen) * 3).to(DEVICE, dtype)
     eager = norm(x + r)
     weight, bias = (getattr(norm, a, None) for a in ("weight", "bias"))
     truth = nn.functional.layer_norm(  # the module's maths in fp64 (OLMo's computes in fp32 whatever its input)
@@ -743,12 +747,14 @@ def _assert_trains_as_the_adds_apart(fused, unfused, mode: str, training_compile
         assert torch.equal(grads[name], grad), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("pre_ln", [True, False], ids=["pre-LN", "post-LN"])
 def test_opt_counts_every_add_next_to_a_norm_as_fused_with_parity(pre_ln, dtype, monkeypatch):
     """The residual census sees OPT's four adds next to norms (through the flattening and the view) and the patched
-    model fuses them all; logits bitwise those of the adds apart, and no less accurate than eager against fp64."""
-    _assert_census_fuses_four_adds(tiny("opt", dtype, do_layer_norm_before=pre_ln), dtype, monkeypatch)
+    model fuses them all; logits bitwise those of the adds apart, and no less accurate than eager against fp64.
+    fp64 runs the PyTorch implementation (as CPU tensors do on a GPU host), whose adds are the fused ops' own."""
+    model = tiny("opt", dtype, do_layer_norm_before=pre_ln)
+    _assert_census_fuses_four_adds(model, dtype, monkeypatch, accuracy=dtype != torch.float64)
 
 
 def _assert_census_fuses_four_adds(model, dtype, monkeypatch, accuracy: bool = True) -> None:
