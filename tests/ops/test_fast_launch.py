@@ -368,7 +368,9 @@ def test_bound_launches_follow_the_tuned_plan_table_in_use(monkeypatch):
         return launches[-1]["BLOCK_M"]
 
     default = block_m()
-    key = tuning.PlanKey(None, "forward", 2, tuning.width_bucket(HIDDEN, launch.fwd_max_tile_n(2)))
+    # The table is keyed by the GPU's architecture (None: CPU tensors, the interpreter).
+    arch = tuning.device_arch(x.get_device())
+    key = tuning.PlanKey(arch, "forward", 2, tuning.width_bucket(HIDDEN, launch.fwd_max_tile_n(2)))
     with tuning.plans_in_use({key: {"block_m": default // 2}}):
         assert block_m() == default // 2
     assert block_m() == default
