@@ -177,7 +177,7 @@ SECTIONS: tuple[Section, ...] = (
     # first: kernel correctness on the card first (nothing else means anything if it fails), then the figures
     # the open decisions wait on.
     Section("tests", "first", "kernel, LayerNorm and argument-check tests, and every gpu-marked test, on the card",
-            150, ("{py}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            200, ("{py}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
                   *(arg for plugin in TEST_PLUGINS for arg in ("-p", plugin)), "-n", "{workers}", "--timeout",
                   str(TEST_TIMEOUT_S), *TEST_FILES, "-m", "{marker}"),
             # The dry run collects the same files and runs their gpu tests, which skip without a GPU.
