@@ -91,6 +91,13 @@ class Mode:
             raise ValueError(f"mode {self.name!r}: the division by the standard deviation is a centring mode's")
 
     @functools.cached_property
+    def is_torch_layer_norm(self) -> bool:
+        """Whether the mode is ``torch.nn.functional.layer_norm``'s maths (``nn.LayerNorm``): the row centred,
+        multiplied by rstd and the affine product in fp32 (fp64 for fp64), no offset, rounded once at the end."""
+        return (self.centre and self.keeps_fp64 and not self.cast_before_weight and not self.weight_offset
+                and not self.divides_by_std)
+
+    @functools.cached_property
     def kernel_flags(self) -> dict[str, object]:
         """The constexpr arguments of the Triton kernels that select this mode (built once: launches are
         host-bound at decode sizes), those of the backward kernels: the forward's are ``forward_kernel_flags``."""

@@ -1,8 +1,9 @@
 """Pure-PyTorch norm with exactly the semantics of the Triton kernels, mode by mode (see ``modes.py``).
 
 This is the implementation that runs on CPU tensors when Triton's interpreter is off (``backend.py`` decides),
-and it spells out the numerics the kernels follow. Tests never use it as their only oracle: they compare the
-kernels against fp64 maths and against Hugging Face's own modules as well.
+and it spells out the numerics the kernels follow (``stepwise_output``), but for ``nn.LayerNorm``'s maths, which
+it leaves to torch's own kernel so that such a model's LayerNorms are reproduced bit for bit. Tests never use it
+as their only oracle: they compare the kernels against fp64 maths and against Hugging Face's own modules as well.
 
 The forward also returns the per-row statistics for the backward, laid out as the kernels lay them out
 (``modes.STATS_SYNC_SLOTS``): ``rstd`` and, in a centring mode (``"layernorm"``, ``"deberta"``), the row means.
@@ -14,7 +15,7 @@ import math
 
 import torch
 
-from .modes import STATS_SYNC_SLOTS, dtype_of, get_mode
+from .modes import STATS_SYNC_SLOTS, Mode, dtype_of, get_mode
 
 
 def forward_reference(
@@ -28,13 +29,45 @@ def forward_reference(
     """Returns ``(y, norm_input, stats)``; ``norm_input`` is ``residual + x`` rounded as torch rounds it."""
     m = get_mode(mode)
     norm_input = x if residual is None else residual + x
-    compute = m.compute_dtype(norm_input.dtype)
-    s = norm_input.to(compute)
+    s, variance, rstd, mean = _statistics(norm_input, eps, m)
+    if m.is_torch_layer_norm and all(t is None or t.dtype == norm_input.dtype for t in (weight, bias)):
+        # ``nn.LayerNorm``'s maths, rounded as torch's own kernel rounds it: such a model's LayerNorm bit for bit,
+        # where the steps of ``_normalised`` may land an ulp away (fp32 noise that makes a patched model less
+        # accurate than the original on some inputs). The statistics, in fp32 at least, feed the backward.
+        y = torch.nn.functional.layer_norm(norm_input, norm_input.shape[-1:], weight, bias, eps)
+    else:
+        y = _normalised(norm_input, s, variance, rstd, weight, bias, eps, m)
+    return y, norm_input, m.pack_stats(rstd, mean)
+
+
+def stepwise_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                    mode: str) -> torch.Tensor:
+    """``mode``'s output for ``x``, each step rounded as a Hugging Face body that spells the maths out rounds it
+    (a model's own LayerNorm class: Cohere's): ``forward_reference``'s, but that one runs torch's kernel for
+    ``nn.LayerNorm``'s maths."""
+    m = get_mode(mode)
+    s, variance, rstd, _ = _statistics(x, eps, m)
+    return _normalised(x, s, variance, rstd, weight, bias, eps, m)
+
+
+def _statistics(norm_input: torch.Tensor, eps: float, m: Mode) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor | None]:
+    """The row in mode ``m``'s compute dtype, centred where ``m`` centres, its variance, rstd and mean (None
+    where ``m`` does not centre)."""
+    s = norm_input.to(m.compute_dtype(norm_input.dtype))
+    mean = None
     if m.centre:
         mean = s.mean(-1, keepdim=True)
         s = s - mean
     variance = s.pow(2).mean(-1, keepdim=True)
-    rstd = torch.rsqrt(variance + eps)
+    return s, variance, torch.rsqrt(variance + eps), mean
+
+
+def _normalised(norm_input: torch.Tensor, s: torch.Tensor, variance: torch.Tensor, rstd: torch.Tensor,
+                weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, m: Mode) -> torch.Tensor:
+    """Mode ``m``'s output for ``norm_input`` from its row ``s`` in the compute dtype (centred where ``m``
+    centres), its variance and rstd: each step rounded as the mode's Hugging Face body rounds it."""
+    compute = s.dtype
     if m.divides_by_std:
         n = s / torch.sqrt(variance + eps)  # DeBERTa's division, which rounds otherwise than a product by rstd
     else:
@@ -50,8 +83,7 @@ def forward_reference(
         y = n if weight is None else n * (weight.to(compute) + m.weight_offset)
         if bias is not None:
             y = y + bias.to(compute)
-    y = y.to(m.output_dtype(norm_input.dtype, weight, bias))
-    return y, norm_input, m.pack_stats(rstd, mean if m.centre else None)
+    return y.to(m.output_dtype(norm_input.dtype, weight, bias))
 
 
 def norm_add_norm_reference(

@@ -277,7 +277,7 @@ def _reproduces(
         if weight is None:
             return False
         weight = weight + offset  # in the weight's dtype, as the module's forward does
-    candidates = [reference.forward_reference(x, None, weight, bias, eps, mode)[0]]
+    candidates = [reference.stepwise_output(x, weight, bias, eps, mode)]
     if MODES[mode].centre and not MODES[mode].cast_before_weight:
         candidates += _torch_layer_norms(x, weight, bias, eps, MODES[mode].output_dtype(x.dtype, weight, bias))
     return any(got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
@@ -288,9 +288,9 @@ def _torch_layer_norms(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
                        dtype: torch.dtype) -> list[Tensor]:
     """What ``nn.LayerNorm`` itself returns for ``x`` (the layernorm mode *is* its maths, and the kernels run an
     ``nn.LayerNorm`` as that mode), called as a model's own class may call it: on ``x`` and the parameters as they
-    are, and on all of them in fp32, rounded to ``dtype``. Compared besides the reference because aten reduces an
-    fp32 row in another order than the reference, an ulp apart (a class calling ``F.layer_norm``: OLMo's,
-    Nemotron's)."""
+    are, and on all of them in fp32, rounded to ``dtype``. Compared besides ``reference.stepwise_output`` because
+    aten reduces an fp32 row in another order than those steps, an ulp apart (a class calling ``F.layer_norm``:
+    OLMo's, Nemotron's)."""
     shape = (x.shape[-1],)
     as_is = torch.nn.functional.layer_norm(x, shape, weight, bias, eps) if (
         weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype) else None

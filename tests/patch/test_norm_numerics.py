@@ -73,13 +73,13 @@ def test_the_layernorm_kind_computes_nn_layernorm(dtype):
 def test_the_probe_never_uses_unit_weights(monkeypatch):
     """With a weight of ones the llama and fp32_affine modes round alike, so the probe must use another weight."""
     seen = []
-    real = reference.forward_reference
+    real = reference.stepwise_output
 
-    def spy(x, residual, weight, bias, eps, mode):
+    def spy(x, weight, bias, eps, mode):
         seen.append((weight, bias))
-        return real(x, residual, weight, bias, eps, mode)
+        return real(x, weight, bias, eps, mode)
 
-    monkeypatch.setattr(recognition.reference, "forward_reference", spy)
+    monkeypatch.setattr(recognition.reference, "stepwise_output", spy)
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     recognition.NormRecogniser().verdict(LlamaRMSNorm(WIDTH).to(torch.bfloat16), torch.bfloat16)  # weight of ones
@@ -90,7 +90,7 @@ def test_the_probe_never_uses_unit_weights(monkeypatch):
     rows = recognition.probe_rows(WIDTH).to(torch.bfloat16)
     ones = torch.ones(WIDTH, dtype=torch.bfloat16)
     probe_weight, _ = recognition.probe_parameters(WIDTH, torch.bfloat16, None)
-    same = [torch.equal(real(rows, None, w, None, 1e-6, "llama")[0], real(rows, None, w, None, 1e-6, "fp32_affine")[0])
+    same = [torch.equal(real(rows, w, None, 1e-6, "llama"), real(rows, w, None, 1e-6, "fp32_affine"))
             for w in (ones, probe_weight)]
     assert same == [True, False]
 
