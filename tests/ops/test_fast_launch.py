@@ -310,9 +310,10 @@ def test_a_patched_norm_reads_its_weight_and_eps_on_every_call():
     from hf_rmsnorm import patch_model
 
     g = torch.Generator().manual_seed(0)
-    norm = LlamaRMSNorm(HIDDEN).to(DEVICE, torch.bfloat16)
+    norm = LlamaRMSNorm(HIDDEN)
     with torch.no_grad():
-        norm.weight.normal_(1.0, 0.3, generator=g)
+        norm.weight.normal_(1.0, 0.3, generator=g)  # on the CPU: g is a CPU generator
+    norm = norm.to(DEVICE, torch.bfloat16)
     patch_model(norm)
     x, residual = (torch.randn(3, HIDDEN, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
 
