@@ -10,8 +10,12 @@ and the report says which.
 
 import copy
 import inspect
+import os
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +155,32 @@ def test_fp64_models_are_exact(family, layernorm):
         assert torch.equal(logits(model, x), expected)
     else:
         assert err(logits(model, x), expected) <= 1e-14 * expected.abs().max().item()
+
+
+def test_cpu_tensors_on_a_gpu_host_give_the_models_logits_bit_for_bit():
+    """In a process whose kernels are compiled for a GPU (a GPU host; here a CPU process configured as one), CPU
+    tensors take the PyTorch implementation: every LayerNorm family, patched in fp32 and bf16, gives the model's
+    logits bit for bit (torch's own LayerNorm of the same rounded sums)."""
+    script = f"""
+import sys
+sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}
+from hf_rmsnorm.ops import backend
+backend.configure("cuda")
+import torch
+import test_layernorm as cases
+from hf_rmsnorm import patch_model
+assert not backend.kernels_interpreted()
+cases.DEVICE = "cpu"
+for family in cases.FAMILIES:
+    for dtype in (torch.float32, torch.bfloat16):
+        model, x = cases.tiny(family, dtype), cases.ids()
+        expected = cases.logits(model, x)
+        assert patch_model(model).fused_adds, family
+        assert torch.equal(cases.logits(model, x), expected), (family, dtype)
+"""
+    env = {k: v for k, v in os.environ.items() if k != backend.INTERPRETER_ENV}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("layernorm", ["fuse", "rmsnorm"])
