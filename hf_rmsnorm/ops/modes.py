@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_cache import host_cache
+
 # The statistics a forward saves for its backward are one flat tensor: STATS_SYNC_SLOTS int32 counters (in the
 # fp32 tensor's first elements, zero bits being zero in both), then ``rstd`` of every row, then, when centring, the
 # row means. The forward kernel zeroes the counters; the backward kernel's programs count on them to agree on when
@@ -117,7 +119,7 @@ class Mode:
         return self.output_dtype_of(norm_dtype, dtype_of(weight), dtype_of(bias))
 
     # Cached: torch.promote_types is an aten op, dispatched on every call (host time at decode sizes).
-    @functools.lru_cache(maxsize=None)
+    @host_cache
     def output_dtype_of(
         self, norm_dtype: torch.dtype, weight_dtype: torch.dtype | None, bias_dtype: torch.dtype | None
     ) -> torch.dtype:

@@ -27,6 +27,7 @@ from .launch import (
     program_slots,
 )
 from .fast_launch import all_aligned, int_class
+from .host_cache import host_cache
 from .modes import STATS_SYNC_SLOTS, dtype_of, get_mode
 from .qk_kernels import ROUND_BF16, ROUND_FP16, ROUND_FP32, qk_norm_rope_bwd_kernel, qk_norm_rope_fwd_kernel
 
@@ -50,7 +51,7 @@ class RowTile(NamedTuple):
         return self.heads_block * (2 * self.half_block + self.pass_block)
 
 
-@functools.lru_cache(maxsize=None)
+@host_cache
 def qk_row_tile(head_dim: int, rotary_dim: int, heads_in_row: int) -> RowTile:
     """The tile of a norm row of ``heads_in_row`` heads (1: a per-head norm) of ``head_dim``, the first
     ``rotary_dim`` columns of each rotated."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import functools
 import types
+import warnings
 
 import pytest
 import torch
@@ -170,7 +171,12 @@ def test_torch_compile_fullgraph_calls_the_fused_operator(name):
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
-    got = _logits(compiled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _logits(compiled)
+    # Dynamo warns the user of every cache wrapper it traces through: the host-side caches step aside while it
+    # traces (hf_rmsnorm/ops/host_cache.py).
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
     assert all(any(operator in graph for graph in graphs) for operator in COMPILED_OPERATORS[name])
     assert (got - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 
