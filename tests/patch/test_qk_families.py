@@ -98,6 +98,32 @@ def test_generate_with_every_cache_kind(name, cache, monkeypatch):
     assert launches[0] >= 4 * CASES[name].qk_launches
 
 
+def test_generate_compiles_the_patched_model_as_on_a_gpu():
+    """generate() with a static cache compiles the model's forward itself on a GPU (transformers' auto-compile,
+    forced here on the CPU by its compile config, with fullgraph): the patched OLMo 2 (q/k norms with the RoPE,
+    post-norm adds) gives the compiled unpatched model's greedy tokens, each step's logits within 1e-5 of the
+    largest, in one graph, and torch.compile traces it without a warning from hf_rmsnorm's code."""
+    from transformers import CompileConfig
+
+    model = _model("olmo2")
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # what a GPU device gives
+    model.generation_config.cache_implementation, model.generation_config.compile_config = "static", config
+    ids = input_ids(seq=6)
+    torch._dynamo.reset()
+    expected_tokens, expected_logits = _generated(model, ids)
+    patch_model(model)
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokens, logits = _generated(model, ids)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # compiled
+    assert not [str(w.message) for w in caught if "hf_rmsnorm" in str(w.filename) + str(w.message)
+                or "lru_cache" in str(w.message)]
+    assert torch.equal(tokens, expected_tokens)
+    assert (logits - expected_logits).abs().max().item() <= 1e-5 * expected_logits.abs().max().item()
+
+
 @pytest.fixture
 def quanto_python_unpack(monkeypatch):
     """optimum-quanto's CPU kernel of its ``quanto::unpack`` op (the 4-bit codes back to bytes) is a C++ extension
