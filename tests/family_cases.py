@@ -119,8 +119,8 @@ CASES: dict[str, FamilyCase] = {
                           adds=4, qk=2, qk_unrotated=1),
     # Cohere's own LayerNorm class (mean-centred, no bias), recognised in the layernorm mode; its parallel layer
     # adds (residual + attention) + mlp: the second add of each layer goes into the next norm's kernel.
-    "cohere": FamilyCase("cohere", {RECOGNISED}, norms=3, adds=2, mode="layernorm"),
-    "cohere2": FamilyCase("cohere2", {RECOGNISED}, dict(sliding_window=4), norms=3, adds=2, mode="layernorm"),
+    "cohere": FamilyCase("cohere", {RECOGNISED}, norms=3, adds=2, mode="layernorm_fp32"),
+    "cohere2": FamilyCase("cohere2", {RECOGNISED}, dict(sliding_window=4), norms=3, adds=2, mode="layernorm_fp32"),
     # Multi-head latent attention: the rotary part of a head is head_dim.
     "deepseek_v3": FamilyCase("deepseek_v3", {RECOGNISED}, dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32, kv_lora_rank=16,

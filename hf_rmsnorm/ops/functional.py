@@ -726,9 +726,11 @@ def rms_norm(
         mode: casting order, ``"llama"`` (default), ``"gemma"`` (``1 + w`` in fp32), ``"fp32_affine"`` (weight
             and bias applied in fp32, as OLMo2 and LayerNorm do), ``"t5"`` (the row rounded to the weight's dtype
             before the weight multiplies it, as T5's family does), ``"layernorm_as_rmsnorm"`` (a LayerNorm
-            converted to RMSNorm) or ``"deberta"`` (DeBERTa's own LayerNorm: the row centred and divided by its
-            standard deviation). See ``hf_rmsnorm.ops.modes``. Deprecated: ``"layernorm"``, which subtracts the
-            row mean (an exact ``nn.LayerNorm``), runs with a ``DeprecationWarning``: call ``layer_norm``.
+            converted to RMSNorm), ``"deberta"`` (DeBERTa's own LayerNorm: the row centred and divided by its
+            standard deviation) or ``"layernorm_fp32"`` (a model's own LayerNorm class written out in fp32,
+            Cohere's: its patched norms run it). See ``hf_rmsnorm.ops.modes``. Deprecated: ``"layernorm"``, which
+            subtracts the row mean (an exact ``nn.LayerNorm``), runs with a ``DeprecationWarning``: call
+            ``layer_norm``.
 
     Returns:
         The normalised tensor, in the dtype the Hugging Face module would return.

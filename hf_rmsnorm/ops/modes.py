@@ -11,14 +11,16 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
     t5:           y = w * n.to(w.dtype)  (+ b)                 output dtype: w.dtype for an fp16/bf16 weight
                   (an fp32 weight: no cast, y = w * n in fp32)   (fp32 for an fp32 weight, fp64 for an fp64 input)
     layernorm:    fp32_affine with centre (exactly nn.LayerNorm)
+    layernorm_fp32:  layernorm in fp32 whatever the input, as a model's own LayerNorm class spells it out
+                  (Cohere's: x.float(), mean, variance, (x - mean) * rsqrt(var + eps), w.float() * n)
     layernorm_as_rmsnorm:  layernorm without the mean (a LayerNorm converted to RMSNorm)
     deberta:      d = x.float() - mean(x.float()),  n = d / sqrt(mean(d^2) + eps),  y = w * n.to(x.dtype) + b
                   (llama's order, centred, and divided by the standard deviation rather than multiplied by its
                   reciprocal: DeBERTa's DebertaLayerNorm)           output dtype: as llama
     without a weight (every mode): y = n.to(x.dtype) (+ b, rounded as the mode rounds it)
 
-The LayerNorm modes normalise an fp64 input in fp64, as ``nn.LayerNorm`` does; the others in fp32, as Hugging
-Face's RMSNorm bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
+The ``nn.LayerNorm`` modes (``layernorm``, ``layernorm_as_rmsnorm``) normalise an fp64 input in fp64, as
+``nn.LayerNorm`` does; the others in fp32, as Hugging Face's bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
 (T5's body is the one exception on the way: its variance is fp32 but ``x * rsqrt(var + eps)`` multiplies in the
 input's dtype promoted with fp32, fp64 for an fp64 input; the reference does the same.)
 
@@ -171,6 +173,10 @@ MODES: dict[str, Mode] = {
         Mode("llama", cast_before_weight=True, promotes_output=True),
         Mode("gemma", weight_offset=1.0),
         Mode("fp32_affine"),
+        # Before ``layernorm``: recognition takes the first mode that reproduces a class bit for bit, and
+        # layernorm_fp32 is reproduced step by step only, layernorm also as torch's kernel rounds it (a class
+        # calling F.layer_norm: OLMo's); their fp32 probes tell the two apart.
+        Mode("layernorm_fp32", centre=True),
         Mode("layernorm", centre=True, keeps_fp64=True),
         Mode("layernorm_as_rmsnorm", keeps_fp64=True),
         Mode("t5", cast_before_weight=True, rounds_to_weight_dtype=True),

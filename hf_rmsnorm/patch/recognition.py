@@ -278,7 +278,7 @@ def _reproduces(
             return False
         weight = weight + offset  # in the weight's dtype, as the module's forward does
     candidates = [reference.stepwise_output(x, weight, bias, eps, mode)]
-    if MODES[mode].centre and not MODES[mode].cast_before_weight:
+    if MODES[mode].is_torch_layer_norm:
         candidates += _torch_layer_norms(x, weight, bias, eps, MODES[mode].output_dtype(x.dtype, weight, bias))
     return any(got.dtype == expected.dtype and got.shape == expected.shape and torch.equal(got, expected)
                for got in candidates)

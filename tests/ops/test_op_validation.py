@@ -253,7 +253,7 @@ BACKWARD_CASES = [
     Case("int64 dy", lambda d: {"dy": _t(ROWS, HIDDEN, dtype=torch.int64)}, TypeError,
          "norm_bwd: dy has dtype torch.int64; the norms take " + FLOATS),
     Case("unknown mode", lambda d: {"mode": "olmo"}, ValueError, "unknown mode 'olmo': use one of llama, gemma, "
-         "fp32_affine, layernorm, layernorm_as_rmsnorm, t5, deberta"),
+         "fp32_affine, layernorm_fp32, layernorm, layernorm_as_rmsnorm, t5, deberta"),
 ]
 
 
