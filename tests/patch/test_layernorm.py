@@ -160,7 +160,8 @@ def test_fp64_models_are_exact(family, layernorm):
 def test_cpu_tensors_on_a_gpu_host_give_the_models_logits_bit_for_bit():
     """In a process whose kernels are compiled for a GPU (a GPU host; here a CPU process configured as one), CPU
     tensors take the PyTorch implementation: every LayerNorm family, patched in fp32 and bf16, gives the model's
-    logits bit for bit (torch's own LayerNorm of the same rounded sums)."""
+    logits bit for bit (torch's own LayerNorm of the same rounded sums), and so do Cohere and Cohere 2, whose own
+    LayerNorm classes spell the maths out (the ``layernorm_fp32`` mode, rounded step by step)."""
     script = f"""
 import sys
 sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}
@@ -171,9 +172,12 @@ import test_layernorm as cases
 from hf_rmsnorm import patch_model
 assert not backend.kernels_interpreted()
 cases.DEVICE = "cpu"
-for family in cases.FAMILIES:
+from patch_models import tiny_model
+own_classes = dict(cohere=dict(), cohere2=dict(sliding_window=4))
+for family in [*cases.FAMILIES, *own_classes]:
     for dtype in (torch.float32, torch.bfloat16):
-        model, x = cases.tiny(family, dtype), cases.ids()
+        model = tiny_model(family, dtype, **own_classes[family]) if family in own_classes else cases.tiny(family, dtype)
+        x = cases.ids()
         expected = cases.logits(model, x)
         assert patch_model(model).fused_adds, family
         assert torch.equal(cases.logits(model, x), expected), (family, dtype)
