@@ -20,9 +20,10 @@ PyTorch reference all read this table, so a mode is described here and nowhere e
     without a weight (every mode): y = n.to(x.dtype) (+ b, rounded as the mode rounds it)
 
 The ``nn.LayerNorm`` modes (``layernorm``, ``layernorm_as_rmsnorm``) normalise an fp64 input in fp64, as
-``nn.LayerNorm`` does; the others in fp32, as Hugging Face's bodies (``x.float()``) do. Only the PyTorch reference sees fp64: the kernels load fp32 at most.
-(T5's body is the one exception on the way: its variance is fp32 but ``x * rsqrt(var + eps)`` multiplies in the
-input's dtype promoted with fp32, fp64 for an fp64 input; the reference does the same.)
+``nn.LayerNorm`` does; the others in fp32, as Hugging Face's bodies (``x.float()``) do. Only the PyTorch reference
+sees fp64: the kernels load fp32 at most. (T5's body is the one exception on the way: its variance is fp32 but
+``x * rsqrt(var + eps)`` multiplies in the input's dtype promoted with fp32, fp64 for an fp64 input; the
+reference does the same.)
 
 ``docs/numerics.md`` explains which models use which mode and why the order of the roundings matters.
 """
