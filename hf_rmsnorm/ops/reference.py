@@ -30,14 +30,22 @@ def forward_reference(
     m = get_mode(mode)
     norm_input = x if residual is None else residual + x
     s, variance, rstd, mean = _statistics(norm_input, eps, m)
-    if m.is_torch_layer_norm and all(t is None or t.dtype == norm_input.dtype for t in (weight, bias)):
-        # ``nn.LayerNorm``'s maths, rounded as torch's own kernel rounds it: such a model's LayerNorm bit for bit,
-        # where the steps of ``_normalised`` may land an ulp away (fp32 noise that makes a patched model less
-        # accurate than the original on some inputs). The statistics, in fp32 at least, feed the backward.
-        y = torch.nn.functional.layer_norm(norm_input, norm_input.shape[-1:], weight, bias, eps)
-    else:
+    # ``nn.LayerNorm``'s maths, rounded as torch's own kernel rounds it: such a model's LayerNorm bit for bit, where
+    # the steps of ``_normalised`` may land an ulp away (fp32 noise that makes a patched model less accurate than
+    # the original on some inputs). The statistics, in fp32 at least, feed the backward.
+    y = torch_layer_norm(norm_input, weight, bias, eps) if m.is_torch_layer_norm else None
+    if y is None:
         y = _normalised(norm_input, s, variance, rstd, weight, bias, eps, m)
     return y, norm_input, m.pack_stats(rstd, mean)
+
+
+def torch_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                     eps: float) -> torch.Tensor | None:
+    """What ``nn.LayerNorm`` returns for ``x`` with these parameters, where they are of ``x``'s dtype (None
+    otherwise: torch's kernel takes no other)."""
+    if any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+        return None
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
 def stepwise_output(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,

@@ -291,11 +291,9 @@ def _torch_layer_norms(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     are, and on all of them in fp32, rounded to ``dtype``. Compared besides ``reference.stepwise_output`` because
     aten reduces an fp32 row in another order than those steps, an ulp apart (a class calling ``F.layer_norm``:
     OLMo's, Nemotron's)."""
-    shape = (x.shape[-1],)
-    as_is = torch.nn.functional.layer_norm(x, shape, weight, bias, eps) if (
-        weight is None or weight.dtype == x.dtype) and (bias is None or bias.dtype == x.dtype) else None
-    in_fp32 = torch.nn.functional.layer_norm(
-        x.float(), shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps)
+    as_is = reference.torch_layer_norm(x, weight, bias, eps)
+    in_fp32 = reference.torch_layer_norm(
+        x.float(), None if weight is None else weight.float(), None if bias is None else bias.float(), eps)
     return [t.to(dtype) for t in (as_is, in_fp32) if t is not None]
 
 
