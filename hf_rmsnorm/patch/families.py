@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from .attributes import registered_parameter
 from .shapes import PARALLEL, PARALLEL_RESIDUAL_FIRST, POST_NORM, SEQUENTIAL, LayerShape
 
 
@@ -49,10 +50,10 @@ class NormKind:
 
         def arguments(module: nn.Module) -> tuple[Tensor | None, float, Tensor | None]:
             eps = constant_eps if eps_attr is None else getattr(module, eps_attr)
-            weight = None if weight_attr is None else getattr(module, weight_attr)
+            weight = None if weight_attr is None else registered_parameter(module, weight_attr)
             if weight_offset:
                 weight = weight + weight_offset
-            bias = None if bias_attr is None else getattr(module, bias_attr)
+            bias = None if bias_attr is None else registered_parameter(module, bias_attr)
             return weight, eps, bias
 
         return arguments

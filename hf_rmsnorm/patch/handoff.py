@@ -80,6 +80,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from . import guard, sandwich
+from .attributes import registered_parameter
 
 # The private keyword the derived loop calls a fused layer with: ``(next norm or None, receives)``.
 KWARG = "_hf_rmsnorm_handoff"
@@ -376,7 +377,7 @@ def _hands_on_watched(layer: nn.Module, norm: nn.Module, hidden_states: Tensor) 
     norm, a hook on either, a layer no longer the fused class as installed."""
     if "_hf_hook" in norm.__dict__:
         return True
-    weight = getattr(norm, "weight", None)
+    weight = registered_parameter(norm, "weight", None)
     if isinstance(weight, Tensor) and weight.device != hidden_states.device:
         return True
     return guard.watched(norm) or not _fused_layer(layer) or guard.watched(layer, _seen_alike_by_handing_layer)

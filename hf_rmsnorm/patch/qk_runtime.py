@@ -13,6 +13,7 @@ from ..ops.qk import qk_norm_rope
 from ..ops.checks import check_qk_norm_rope
 from ..ops.dtensor import holds_dtensor
 from . import guard
+from .attributes import registered_parameter
 from .families import NormKind
 from .qk_sites import TRANSPOSE
 
@@ -124,9 +125,9 @@ def _probed_rope_and_norms(kind, rope, norms: tuple[nn.Module, ...], tensors: tu
         norm_kind = getattr(type(norm), "_hf_rmsnorm_kind", None)
         if not isinstance(norm_kind, NormKind) or (found and norm_kind.mode != found[0][0].mode):
             return None
-        if norm_kind.bias_attr is not None and getattr(norm, norm_kind.bias_attr) is not None:
+        if norm_kind.bias_attr is not None and registered_parameter(norm, norm_kind.bias_attr) is not None:
             return None
-        weight = None if norm_kind.weight_attr is None else getattr(norm, norm_kind.weight_attr)
+        weight = None if norm_kind.weight_attr is None else registered_parameter(norm, norm_kind.weight_attr)
         eps = getattr(norm, norm_kind.eps_attr)
         if holds_dtensor(weight) or not isinstance(eps, (int, float)):
             return None
