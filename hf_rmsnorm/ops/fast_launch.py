@@ -24,7 +24,6 @@ Triton's own cache holds, so its answer never depends on what ran before.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -68,23 +67,20 @@ def _arg_key(arg: Any) -> Any:
     return arg  # anything else Triton sees by value
 
 
-@functools.cache
 def _stream_getter() -> Callable[[int], int]:
-    """The function Triton's own launch path fetches a device's raw current stream with (resolved once: the
-    driver is a lazy proxy, and this runs on every cached launch)."""
+    """The function Triton's own launch path fetches a device's raw current stream with, resolved when a cache entry
+    is stored (the driver is a lazy proxy: resolving it costs a lookup per cached launch otherwise)."""
     from triton.runtime import driver
 
     return driver.active.get_current_stream
 
 
-def _installed_hooks(runtime: Any) -> tuple[Any, Any]:
-    """The launch's enter and exit hooks, each None where it would call nothing. Later Triton releases keep the
+def _installed(hook: Any) -> Any:
+    """A launch hook as the launcher takes it: None where it would call nothing. Later Triton releases keep the
     launch hooks in a ``HookChain`` that is there even when empty: Triton then builds the launch metadata and calls
     the empty chain twice on every launch, where None makes the launcher skip both (it calls a hook only when it is
     not None)."""
-    enter_hook, exit_hook = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return (enter_hook if getattr(enter_hook, "calls", enter_hook) else None,
-            exit_hook if getattr(exit_hook, "calls", exit_hook) else None)
+    return hook if getattr(hook, "calls", hook) else None
 
 
 class CachedLauncher:
@@ -106,7 +102,8 @@ class CachedLauncher:
         # The interpreter's kernels (InterpretedFunction) have no compiled binary to keep.
         self.cacheable = isinstance(kernel, triton.runtime.JITFunction)
         # key -> (compiled kernel, its launcher, its function handle and packed metadata, constexpr values in declared
-        # order, the plan keyed by identity or None), read once when the entry is stored rather than on every launch.
+        # order, the function giving a device's current stream, the plan keyed by identity or None), read once when
+        # the entry is stored rather than on every launch.
         # Reading ``run`` loads the binary if Triton has not (``CompiledKernel.run`` is a property that does), after
         # which its handle does not change: that is why ``run`` is read first.
         self.by_arguments: dict[tuple, tuple] = {}
@@ -128,13 +125,13 @@ class CachedLauncher:
             compiled = self.kernel[(grid,)](*args, **constexprs, num_warps=num_warps)
             if all(hasattr(compiled, attr) for attr in ("run", "function", "packed_metadata", "launch_metadata")):
                 cache[key] = (compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                              tuple(constexprs[name] for name in self.constexpr_names), plan)
+                              tuple(constexprs[name] for name in self.constexpr_names), _stream_getter(), plan)
             return
-        compiled, run, function, packed_metadata, constants, _ = entry
-        all_args = args + constants
-        stream = _stream_getter()(device)
-        enter_hook, exit_hook = _installed_hooks(_KNOBS.runtime)
+        compiled, run, function, packed_metadata, constants, current_stream, _ = entry
+        stream = current_stream(device)
+        runtime = _KNOBS.runtime
+        enter_hook, exit_hook = _installed(runtime.launch_enter_hook), _installed(runtime.launch_exit_hook)
         # The metadata is for the hooks (a profiler's): skip building it when none is installed.
         metadata = None if enter_hook is None and exit_hook is None else compiled.launch_metadata(
-            (grid, 1, 1), stream, *all_args)
-        run(grid, 1, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *all_args)
+            (grid, 1, 1), stream, *args, *constants)
+        run(grid, 1, 1, stream, function, packed_metadata, metadata, enter_hook, exit_hook, *args, *constants)

@@ -624,7 +624,8 @@ _BINDABLE_TYPES = frozenset({Tensor, torch.nn.Parameter, type(None)})
 def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None) -> tuple | None:
     """The key of ``BoundNorm``'s caches for a call on these arguments: what ``checks.check_forward`` reads of them
     but the residual's shape; None for a call the general path must run (while torch.compile traces, where
-    autograd records, tensor subclasses, a 0-dimensional ``x``)."""
+    autograd records, tensor subclasses, a 0-dimensional ``x``). One flat tuple: built and hashed at every bound
+    call, it costs less than nested ones."""
     if (
         torch.compiler.is_compiling() or torch.is_grad_enabled() or type(x) is not Tensor
         or type(residual) not in _BINDABLE_TYPES or type(weight) not in _BINDABLE_TYPES
@@ -636,13 +637,16 @@ def _binding_key(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias
         return None
     return (
         x.dtype, x.device, shape[-1],
-        None if residual is None else (residual.dtype, residual.device),
-        _parameter_key(weight), _parameter_key(bias),
+        *((None, None) if residual is None else (residual.dtype, residual.device)),
+        *_parameter_key(weight), *_parameter_key(bias),
     )
 
 
-def _parameter_key(t: Tensor | None) -> tuple | None:
-    return None if t is None else (t.dtype, t.device, t.shape)
+_ABSENT_PARAMETER = (None, None, None)
+
+
+def _parameter_key(t: Tensor | None) -> tuple:
+    return _ABSENT_PARAMETER if t is None else (t.dtype, t.device, t.shape)
 
 
 def _sandwich_key(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tensor | None, weight2: Tensor | None,
@@ -652,7 +656,7 @@ def _sandwich_key(x: Tensor, residual: Tensor, weight: Tensor | None, bias: Tens
     key = _binding_key(x, residual, weight, bias)
     if key is None or type(weight2) not in _BINDABLE_TYPES or type(bias2) not in _BINDABLE_TYPES:
         return None
-    return key, _parameter_key(weight2), _parameter_key(bias2)
+    return *key, *_parameter_key(weight2), *_parameter_key(bias2)
 
 
 # The general paths, which every call not served by a bound launch takes: DTensor arguments on their local shards,

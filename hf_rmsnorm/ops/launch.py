@@ -166,6 +166,10 @@ def is_traced(t: torch.Tensor) -> bool:
     return isinstance(t, (FakeTensor, FunctionalTensor))
 
 
+# ``torch.cuda.current_device()`` without its lazy-initialisation check, three Python calls at every launch: a launch
+# on a GPU tensor finds CUDA initialised. A torch built without CUDA lacks the binding and never launches on a GPU.
+_current_gpu = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
 _LAUNCHERS = {kernel: CachedLauncher(kernel) for kernel in (
     norm_fwd_kernel, norm_add_norm_fwd_kernel, norm_bwd_kernel, row_dot_kernel, column_bwd_kernel,
     qk_norm_rope_fwd_kernel, qk_norm_rope_bwd_kernel,
@@ -188,7 +192,7 @@ def _launch(kernel, grid: int, args: tuple, constexprs: dict, num_warps: int, pl
     # it is another one. A CPU tensor (the interpreter) has device -1. Every kernel's first argument is a tensor.
     if device is None:
         device = args[0].get_device()
-    if device < 0 or device == torch.cuda.current_device():
+    if device < 0 or device == _current_gpu():
         launcher(grid, device, args, constexprs, num_warps, plan, varying)
         return
     with torch.cuda.device(device):

@@ -161,6 +161,16 @@ def test_cached_launches_equal_tritons_own():
     assert len(launcher.by_arguments) >= 1  # 1 row unaligned
 
 
+@pytest.mark.gpu
+def test_the_launch_reads_the_current_gpu_as_torch_does():
+    """``launch._current_gpu`` is ``torch.cuda.current_device()`` less its lazy initialisation: the same index,
+    also inside ``torch.cuda.device(...)``."""
+    assert launch._current_gpu() == torch.cuda.current_device()
+    last = torch.cuda.device_count() - 1
+    with torch.cuda.device(last):
+        assert launch._current_gpu() == torch.cuda.current_device() == last
+
+
 def _forward_call(op: str = "fused_add_rms_norm", rows: int = 1, dtype: torch.dtype = torch.bfloat16,
                   offset: int = 0, mode: str = "llama", weight: bool = True, eps: float = 1e-6, grad: bool = False):
     """A forward call of ``op`` whose input and residual start ``offset`` elements into their buffers (1: not
