@@ -480,7 +480,7 @@ def norm_bwd_kernel(
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_BEFORE_DSUM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr, CENTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, REREAD_ROW: tl.constexpr,
 ):
     """The backward of rows that fit in one tile, on a persistent grid: program ``p`` of ``P`` handles row blocks
     ``p, p + P, p + 2P, ...`` and writes its own fp32 partial sums of the weight (and bias) gradient, over all its
@@ -492,9 +492,9 @@ def norm_bwd_kernel(
 
     The row loop is pipelined: ``tl.range(..., num_stages=NUM_STAGES)`` makes the compiler prefetch the next row
     blocks' loads into shared memory (asynchronous copies on sm_80 and later) while the current block is
-    computed; the weight is loaded once, outside the loop. The widest tiles, too big to stage (``NUM_STAGES``
-    1), are too big to keep whole in registers beside the accumulators as well: they read the weight per row
-    block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs stride over the row
+    computed; the weight is loaded once, outside the loop. The widest tiles (``REREAD_ROW``:
+    ``launch.bwd_rereads_row``) are too big to keep whole in registers beside the accumulators: they read the
+    weight per row block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs stride over the row
     blocks rather than take a contiguous range each: the programs' row counts then differ by at most one block
     (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring
     rows. Wider rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
@@ -505,7 +505,7 @@ def norm_bwd_kernel(
     partial_row = pid.to(tl.int64) * n_cols
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    if NUM_STAGES > 1:
+    if not REREAD_ROW:
         w_kept = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -513,12 +513,12 @@ def norm_bwd_kernel(
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        if NUM_STAGES > 1:
-            w = w_kept
-        else:
-            # Not pipelined (the widest tiles): the weight is read again per row block (it stays in the caches)
-            # rather than held in registers for the whole loop, where it would be one more live tile.
+        if REREAD_ROW:
+            # The widest tiles: the weight is read again per row block (it stays in the caches) rather than held
+            # in registers for the whole loop, where it would be one more live tile.
             w = _load_weight(W, cols, col_mask, HAS_WEIGHT, WEIGHT_OFFSET)
+        else:
+            w = w_kept
         rstd, mean = _load_stats(STATS + SYNC_SLOTS, rows, row_mask, n_rows, CENTER)
         dy, n, g, n_weighted = _input_grad_tile(DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
@@ -533,7 +533,7 @@ def norm_bwd_kernel(
         else:
             g_mean = rstd  # not read without CENTER
         c = tl.sum(g * n, axis=1) / n_cols
-        if NUM_STAGES == 1:
+        if REREAD_ROW:
             # The widest tiles: the row, read just before, is read again rather than kept live across the
             # reductions (the tests pin the traffic this adds: 2 bytes per bf16 element).
             n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER, LAST_READ=True)

@@ -32,8 +32,8 @@ FWD_MAX_TILE_BYTES = 65536
 BWD_MAX_TILE_BYTES = 32768
 # The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions: the
 # gradient at the normalised row g and one accumulator per parameter gradient (weight, bias), and one more when
-# centring (LayerNorm), as the compilers allocate them; the widest tiles, whose row loop is not pipelined, read the
-# normalised row again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values
+# centring (LayerNorm), as the compilers allocate them; the widest tiles (bwd_rereads_row) read the normalised row
+# again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values
 # fit in a program's registers (16 warps at ptxas's 128 registers a thread hold 65536) with room for addresses and
 # the reductions: offline (Triton 3.6 and 3.9, sm_80 and sm_90, BENCHMARKS.md) the variants within it spill at
 # most 64 bytes a thread, while three values per element at 16384 (a bias gradient, or centring) spill up to 176
@@ -47,7 +47,9 @@ TARGET_TILE_ELEMENTS = 4096
 # keep the staging buffers, one [BLOCK_M, BLOCK_N] tile of dy, the norm's input and dsum per stage, within
 # BWD_PIPELINE_SMEM_BYTES: an A100's 164 KiB of shared memory per block, less room for the reductions' scratch.
 # The count is an upper bound: Triton allocates num_stages - 1 buffers (96 KiB for bf16 rows of 8192 with dsum
-# and 3 stages, compiled offline with Triton 3.6 and 3.9).
+# and 3 stages, compiled offline with Triton 3.6 and 3.9). The widest tiles are not pipelined by default: with 2
+# stages bf16 rows of 16384 take 128-160 KiB and spill 16-24 bytes on sm_90, 80-88 on sm_80 (Triton 3.9,
+# BENCHMARKS.md); the tuner may pipeline them where that is faster on the card.
 BWD_MAX_STAGES = 3
 BWD_PIPELINE_SMEM_BYTES = 160 * 1024
 BWD_LOADED_TENSORS = 3
@@ -91,6 +93,13 @@ def bwd_max_tile_n(elem_bytes: int, live_tiles: int = BWD_BASE_LIVE_TILES) -> in
     fp32 values live per element (``bwd_live_tiles``): a power of two."""
     by_registers = 1 << ((BWD_TILE_LIVE_VALUES // live_tiles).bit_length() - 1)
     return min(BWD_MAX_TILE_BYTES // elem_bytes, by_registers)
+
+
+def bwd_rereads_row(plan: TilingPlan, elem_bytes: int) -> bool:
+    """Whether the single-tile backward of ``plan`` reads each row again after its reductions and the weight per
+    row block (``norm_bwd_kernel``'s ``REREAD_ROW``) rather than keep both live in registers: its tile holds
+    ``BWD_MAX_TILE_BYTES`` of activations, the widest there is."""
+    return plan.block_m * plan.block_n * elem_bytes >= BWD_MAX_TILE_BYTES
 
 
 @functools.lru_cache(maxsize=None)
@@ -552,7 +561,7 @@ def norm_backward(
             (dy2, dsum2, s2, stats, weight, dx, dres, dw_partial, db_partial, dweight, dbias, sync,
              n_rows, n_cols, n_row_blocks,
              stride_dy, stride_dsum, stride_s, n_cols, n_cols),
-            gradients, plan.num_warps,
+            dict(gradients, REREAD_ROW=bwd_rereads_row(plan, elem_bytes)), plan.num_warps,
         )
     else:
         # The rows' reductions first (mean(g * n), and mean(g) when centring), then every column from them.

@@ -39,7 +39,7 @@ EXPECTED_PER_ROW_RATIO = {
     ("bwd", SINGLE_TILE): 1.0,
     ("bwd+dsum", SINGLE_TILE): 1.0,
     ("infer+res", WIDEST_SINGLE_TILE_FWD): 1.0,
-    # The widest backward tile (not pipelined) reads the norm's input again after the row reductions rather than
+    # The widest backward tile (pipelined or not) reads the norm's input again after the row reductions rather than
     # keep its normalised row live across them (registers: launch.BWD_TILE_LIVE_VALUES): +2 bytes per element over
     # 8, asked of the caches just after the first read.
     ("bwd+dsum", WIDEST_SINGLE_TILE_BWD): 1.25,
@@ -76,6 +76,22 @@ def test_per_row_traffic_is_pinned(variant, hidden):
     assert record.call_bytes >= record.call_min_bytes
     assert sum(record.bytes_per_element.values()) == pytest.approx(
         record.per_row_ratio * record.min_bytes_per_element, rel=1e-3)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_a_tuned_pipelined_widest_backward_tile_still_reads_its_row_again(num_stages):
+    """Which tiles read their row again is the tile's size (``launch.bwd_rereads_row``), not its pipeline: a tuned
+    plan that pipelines the widest bf16 tile (the tuner tries 1 to ``BWD_MAX_STAGES`` stages) keeps the registers
+    that re-read frees, and moves the default plan's bytes."""
+    from hf_rmsnorm.ops import launch, tuning
+
+    key = tuning.PlanKey(None, "backward", 2, tuning.width_bucket(WIDEST_SINGLE_TILE_BWD, launch.bwd_max_tile_n(2)))
+    with tuning.plans_in_use({key: {"num_stages": num_stages}}):
+        plan = launch.backward_plan(WIDEST_SINGLE_TILE_BWD, 2, None, launch.BWD_BASE_LIVE_TILES)
+        assert (plan.single_tile, plan.num_stages) == (True, num_stages)
+        record = byte_traffic.measure_variant("bwd+dsum", WIDEST_SINGLE_TILE_BWD, "bf16", rows=ROWS)
+    assert record.per_row_ratio == pytest.approx(EXPECTED_PER_ROW_RATIO["bwd+dsum", WIDEST_SINGLE_TILE_BWD],
+                                                 abs=TOLERANCE)
 
 
 def test_counter_counts_masked_elements_by_their_size_and_restores_the_interpreter():
