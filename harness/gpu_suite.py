@@ -122,13 +122,13 @@ class Section:
 
 
 def _bench(name: str, plan: str, what: str, limit_s: int, dtype: str, rows: str, hidden: str, ops: str,
-           phases: str) -> Section:
+           phases: str, toy_rows: str = "64", toy_hidden: str = "256") -> Section:
     return Section(
         name, plan, what, limit_s,
         ("{py}", "scripts/bench_kernels.py", "--dtype", dtype, "--json", f"{{work}}/{name}.json", "--rows", "{rows}",
          "--hidden", "{hidden}", "--ops", *ops.split(), "--phases", *phases.split(), "--warmup", "{warmup}",
          "--repeats", "{repeats}", "{dry_run}"),
-        {"rows": size(tuple(rows.split()), "64"), "hidden": size(tuple(hidden.split()), "256"),
+        {"rows": size(tuple(rows.split()), toy_rows), "hidden": size(tuple(hidden.split()), toy_hidden),
          "warmup": size("5", "1"), "repeats": size("20", "2"), "dry_run": SCRIPT_DRY_RUN},
         (f"{name}.json",),
     )
@@ -186,8 +186,11 @@ SECTIONS: tuple[Section, ...] = (
            "and host time per decode call", 130, "bf16", "4096 16384", "2048 4096 8192 16384 32768 65536",
            BASELINES, "fwd bwd"),
     _bench("kernels-bwd-ab", "first", "A/B of the backward at hidden 16384, bf16: the single tile (hf_rmsnorm) "
-           "against the wide two-kernel path (hf_rmsnorm_wide)", 45, "bf16", "4096 16384", "16384",
-           "hf_rmsnorm hf_rmsnorm_wide", "bwd"),
+           "against the wide two-kernel path (hf_rmsnorm_wide) and against itself pipelined over two row blocks "
+           "(hf_rmsnorm_pipelined)", 45, "bf16", "4096 16384", "16384",
+           "hf_rmsnorm hf_rmsnorm_wide hf_rmsnorm_pipelined", "bwd",
+           # The dry run at the real width, on 2 rows: only there does the pipelined side change a plan.
+           toy_rows="2", toy_hidden="16384"),
     _bench("kernels-decode", "first", "fused add + RMSNorm, decode rows 1-64 (CUDA graph replay), host time by "
            "launch path", 75, "bf16", "1 16 64", "2048 4096 8192", BASELINES, "fwd"),
     _generate("generate-1b", "first", "generate(), llama-3.2-1b-shape, bf16, batch 1, 128-token prompt, 256 new "

@@ -8,6 +8,8 @@ Implementations (``--ops``), each computing ``s = residual + x; y = norm(s)`` an
 * ``hf_rmsnorm_wide``: the same with its backward on the wide path (``row_dot_kernel``, then
   ``column_bwd_kernel``) at every width (``wide_backward``): the A/B of the single-tile backward (the GPU suite's
   ``kernels-bwd-ab`` section, at 16384). Its forward is ``hf_rmsnorm``'s.
+* ``hf_rmsnorm_pipelined``: the same with the widest single backward tiles, which the default plan does not
+  pipeline, pipelined over two row blocks (``pipelined_backward``): the other A/B of ``kernels-bwd-ab``.
 * ``hf_eager``: transformers' ``LlamaRMSNorm`` module after a separate add (what an unpatched model runs).
 * ``torch_rms_norm``: ``torch.nn.functional.rms_norm`` after a separate add.
 * ``torch_compile``: ``torch.compile`` of the ``hf_eager`` function, add included (recompiled per shape).
@@ -81,7 +83,7 @@ import torch
 PHASES = ("fwd", "bwd", "fwd+bwd")
 # A sandwich layer's norm, add and next norm (norm_add_norm), and what it replaces; "x eager" is against the last.
 SANDWICH_IMPLS = ("hf_sandwich", "hf_sandwich_2launch", "hf_eager_sandwich")
-IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm",
+IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_rmsnorm_pipelined", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm",
          "torch_layer_norm", *SANDWICH_IMPLS)
 DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
 DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
@@ -307,31 +309,64 @@ class Impl:
 # Wider than any single tile of any dtype: the backward plan of such rows is the wide kernels' plan, which is
 # the same for every width beyond the widest single tile (launch.backward_plan).
 WIDER_THAN_ANY_TILE = 1 << 20
-OVERRIDE_UNUSED = ("error: the wide-backward override was never asked for a plan (kernel_bench.wide_backward "
-                   "must follow launch.py)")
+OVERRIDE_UNUSED = ("error: the backward override changed no plan (kernel_bench.wide_backward and "
+                   "pipelined_backward must follow launch.py)")
+# The widest single backward tiles' stages in pipelined_backward: two, the most their staging buffers leave room
+# for (bf16 rows of 16384 with dsum take 160 KiB of shared memory at two stages, compiled offline).
+PIPELINED_WIDEST_STAGES = 2
 
 
 @contextlib.contextmanager
-def wide_backward() -> Iterator[PlanOverride]:
-    """Within the block, this package's backward takes the wide kernels at every width: ``launch.backward_plan``
-    answers every width with the plan of rows wider than any single tile. A harness override for the A/B of the
-    single-tile backward, not a setting of the package; it yields a count of the plans it answered, so a run can
-    tell that the override reached the launches (``bench_impl`` checks it)."""
+def _backward_replanned(replan: Callable[..., Any]) -> Iterator[PlanOverride]:
+    """Within the block, ``launch.backward_plan`` answers with ``replan(planned, n_cols, elem_bytes, *args,
+    **kwargs)`` where that gives a plan, counted (``planned`` is the package's own plan function), and as the
+    package otherwise."""
     from hf_rmsnorm.ops import launch
 
     planned = launch.backward_plan
     override = PlanOverride()
 
-    def wide_plan(n_cols: int, elem_bytes: int, *args, **kwargs) -> launch.TilingPlan:
+    def plan(n_cols: int, elem_bytes: int, *args, **kwargs) -> launch.TilingPlan:
+        replanned = replan(planned, n_cols, elem_bytes, *args, **kwargs)
+        if replanned is None:
+            return planned(n_cols, elem_bytes, *args, **kwargs)
+        override.answered += 1
+        return replanned
+
+    with mock.patch.object(launch, "backward_plan", plan):
+        yield override
+
+
+def wide_backward() -> contextlib.AbstractContextManager[PlanOverride]:
+    """Within the block, this package's backward takes the wide kernels at every width: ``launch.backward_plan``
+    answers every width with the plan of rows wider than any single tile. A harness override for the A/B of the
+    single-tile backward, not a setting of the package; it yields a count of the plans it answered, so a run can
+    tell that the override reached the launches (``bench_impl`` checks it)."""
+
+    def wide_plan(planned, n_cols: int, elem_bytes: int, *args, **kwargs):
         plan = planned(WIDER_THAN_ANY_TILE, elem_bytes, *args, **kwargs)
         if plan.single_tile:
             raise RuntimeError(f"launch.backward_plan tiles rows of {WIDER_THAN_ANY_TILE} elements as one: "
                                "kernel_bench.wide_backward must follow launch.py")
-        override.answered += 1
         return plan
 
-    with mock.patch.object(launch, "backward_plan", wide_plan):
-        yield override
+    return _backward_replanned(wide_plan)
+
+
+def pipelined_backward() -> contextlib.AbstractContextManager[PlanOverride]:
+    """Within the block, the widest single backward tiles (``launch.bwd_rereads_row``), which the default plan
+    does not pipeline, are pipelined over ``PIPELINED_WIDEST_STAGES`` row blocks; they still read their row again
+    after the reductions. A harness override for the A/B of that choice, as ``wide_backward``; it counts the plans
+    it changed."""
+    from hf_rmsnorm.ops import launch
+
+    def pipelined_plan(planned, n_cols: int, elem_bytes: int, *args, **kwargs):
+        plan = planned(n_cols, elem_bytes, *args, **kwargs)
+        if not (plan.single_tile and launch.bwd_rereads_row(plan, elem_bytes) and plan.num_stages == 1):
+            return None
+        return plan._replace(num_stages=PIPELINED_WIDEST_STAGES)
+
+    return _backward_replanned(pipelined_plan)
 
 
 def _hf_module(hidden: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -383,11 +418,12 @@ def _sandwich_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.dev
 def build_impl(name: str, hidden: int, dtype: torch.dtype, device: torch.device) -> Impl:
     """A fresh implementation for one shape (fresh so torch.compile specialises on it without hitting its
     recompilation limit). Weights are in the activations' dtype, as in a model loaded in that dtype."""
-    if name in ("hf_rmsnorm", "hf_rmsnorm_wide"):
+    if name in ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_rmsnorm_pipelined"):
         from hf_rmsnorm.ops import fused_add_rms_norm
 
         weight = torch.nn.Parameter(torch.ones(hidden, dtype=dtype, device=device))
-        context = wide_backward if name == "hf_rmsnorm_wide" else contextlib.nullcontext
+        context = {"hf_rmsnorm_wide": wide_backward, "hf_rmsnorm_pipelined": pipelined_backward}.get(
+            name, contextlib.nullcontext)
         return Impl(lambda x, residual: fused_add_rms_norm(x, residual, weight, EPS), (weight,), context=context)
     if name == "hf_eager":
         module = _hf_module(hidden, dtype, device)
@@ -718,7 +754,8 @@ def format_table(results: list[Result], header: bool = True) -> str:
     replay), then the eager call's (``call_*``, host included); ``x eager`` is the kernels' speedup over their
     operator's eager implementation (``eager_baseline``) on the same shape and phase."""
     speedup = speedups_over_eager(results)
-    widths = (19, 8, 6, 7, 10, 8, 6, 10, 8, 6, 8, 6)
+    impl_width = max(map(len, IMPLS))
+    widths = (impl_width, 8, 6, 7, 10, 8, 6, 10, 8, 6, 8, 6)
     lines = []
     if header:
         names = ("impl", "phase", "rows", "hidden", "kernel_us", "GB/s", "%copy", "call_us", "call_GB/s", "%copy",
@@ -726,10 +763,10 @@ def format_table(results: list[Result], header: bool = True) -> str:
         lines.append(" ".join(n.rjust(w) if i > 1 else n.ljust(w) for i, (n, w) in enumerate(zip(names, widths))))
     for r in results:
         if r.status != "ok":
-            lines.append(f"{r.impl:<19} {r.phase:<8} {r.rows:>6} {r.hidden:>7}  {r.status}")
+            lines.append(f"{r.impl:<{impl_width}} {r.phase:<8} {r.rows:>6} {r.hidden:>7}  {r.status}")
             continue
         x = speedup.get((r.impl, r.phase, r.rows, r.hidden))
-        lines.append(f"{r.impl:<19} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
+        lines.append(f"{r.impl:<{impl_width}} {r.phase:<8} {r.rows:>6} {r.hidden:>7} {r.seconds * 1e6:>10.1f} "
                      f"{r.gbps:>8.0f} {100 * r.copy_fraction:>6.1f} {r.call_seconds * 1e6:>10.1f} "
                      f"{r.call_gbps:>8.0f} {100 * r.call_copy_fraction:>6.1f} {'' if x is None else f'{x:.2f}':>8} "
                      f"{'yes' if r.cuda_graph else 'no':>6}")

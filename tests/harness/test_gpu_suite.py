@@ -59,9 +59,11 @@ def test_dry_run_runs_every_plan_and_writes_the_files(tmp_path):
     free = next(s for s in sections if s["name"] == "train-1b-norm-free")["data"]["train-1b-norm-free"]
     free = FinetuneMetrics.from_dict(free)
     assert free.norm_free and not free.patched and free.patch is None
-    # The A/B's wide side ran its backward through the wide kernels (an override never consulted is an error row).
+    # The A/B's other sides ran their backward through the wide kernels and the pipelined widest tile (an override
+    # that changed no plan is an error row).
     ab = next(s for s in sections if s["name"] == "kernels-bwd-ab")["data"]["kernels-bwd-ab"]["results"]
-    assert {(r["impl"], r["status"]) for r in ab} == {("hf_rmsnorm", "ok"), ("hf_rmsnorm_wide", "ok")}
+    assert {(r["impl"], r["status"]) for r in ab} == {
+        (impl, "ok") for impl in ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_rmsnorm_pipelined")}
     # The sandwich section timed its three implementations (hf_sandwich's norm_add_norm in the interpreter).
     sandwich = next(s for s in sections if s["name"] == "kernels-sandwich")["data"]["kernels-sandwich"]["results"]
     assert {(r["impl"], r["status"]) for r in sandwich} == {

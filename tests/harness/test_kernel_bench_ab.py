@@ -63,3 +63,24 @@ def test_bench_impl_reports_an_override_that_never_reached_the_backward(monkeypa
                                                 kernel_bench.dry_run_settings("fp32", 0, 1))
     assert forward.status == "ok"
     assert backward.status == kernel_bench.OVERRIDE_UNUSED and backward.seconds is None
+
+
+def test_pipelined_backward_pipelines_the_widest_tile_alone_and_changes_no_bit():
+    """``hf_rmsnorm_pipelined``'s override gives the widest single tile (bf16 rows of 16384: re-read, not pipelined
+    by default) two stages and leaves narrower tiles as they are; pipelining changes when rows are loaded, not
+    what is computed, so the gradients are the default plan's bit for bit (in the interpreter, which runs the
+    same kernel code)."""
+    widest = launch.bwd_max_tile_n(2)
+    default = launch.backward_plan(widest, 2)
+    assert default.single_tile and default.num_stages == 1 and launch.bwd_rereads_row(default, 2)
+    inputs = [t.to(torch.bfloat16) for t in _inputs(2, widest)]
+    expected = _gradients(*inputs, _fused)
+    with kernel_bench.pipelined_backward() as override:
+        assert launch.backward_plan(widest, 2).num_stages == kernel_bench.PIPELINED_WIDEST_STAGES
+        pipelined = _gradients(*inputs, _fused)
+    assert override.answered == 2  # the plan asked above and the backward's own
+    for a, b in zip(expected, pipelined):
+        assert torch.equal(a, b)
+    with kernel_bench.pipelined_backward() as override:
+        _gradients(*(t.to(torch.bfloat16) for t in _inputs(2, 256)), _fused)
+    assert override.answered == 0  # a narrower tile is left as the package plans it
