@@ -39,11 +39,17 @@ def forward_reference(
     return y, norm_input, m.pack_stats(rstd, mean)
 
 
+# The parameter dtypes torch's layer_norm kernel takes with an input of each dtype besides the input's own: fp32
+# parameters with a half-precision input (norms kept in fp32 in a bf16 or fp16 model); it refuses any other mix.
+_MIXED_PARAMETER_DTYPES = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
 def torch_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                      eps: float) -> torch.Tensor | None:
-    """What ``nn.LayerNorm`` returns for ``x`` with these parameters, where they are of ``x``'s dtype (None
-    otherwise: torch's kernel takes no other)."""
-    if any(t is not None and t.dtype != x.dtype for t in (weight, bias)):
+    """What ``nn.LayerNorm`` returns for ``x`` with these parameters, where torch's kernel takes their dtypes: all
+    of ``x``'s dtype, or all fp32 with a half-precision ``x`` (None otherwise)."""
+    dtypes = {t.dtype for t in (weight, bias) if t is not None}
+    if not (dtypes <= {x.dtype} or dtypes == {_MIXED_PARAMETER_DTYPES.get(x.dtype)}):
         return None
     return torch.nn.functional.layer_norm(x, x.shape[-1:], weight, bias, eps)
 

@@ -37,7 +37,7 @@ from hf_rmsnorm import (
     rms_norm_add,
     unpatch_model,
 )
-from hf_rmsnorm.ops import backend, functional
+from hf_rmsnorm.ops import backend, functional, reference
 from hf_rmsnorm.ops.modes import MODES
 from hf_rmsnorm.patch import conversion
 
@@ -157,11 +157,29 @@ def test_fp64_models_are_exact(family, layernorm):
         assert err(logits(model, x), expected) <= 1e-14 * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pytorch_implementation_is_nn_layernorm_with_fp32_parameters_and_half_inputs(dtype):
+    """LayerNorms kept in fp32 in a half-precision model: where the kernels do not run, the fused add + LayerNorm
+    is ``nn.LayerNorm`` of the rounded sum bit for bit (torch's kernel takes fp32 parameters with a half input; the
+    steps spelt out in fp32 landed an fp32 ulp away: an ulp of the output on 1 element in about 5 * 10^4 in bf16,
+    6 * 10^3 in fp16)."""
+    g = torch.Generator().manual_seed(0)
+    x, residual = ((3 * torch.randn(256, 1024, generator=g) + 0.5).to(dtype) for _ in range(2))
+    norm = nn.LayerNorm(1024)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3, generator=g)
+        norm.bias.normal_(0.0, 0.1, generator=g)
+        y, total, _ = reference.forward_reference(x, residual, norm.weight, norm.bias, norm.eps, "layernorm")
+        assert torch.equal(total, residual + x)
+        assert y.dtype == dtype and torch.equal(y, norm(residual + x))
+
+
 def test_cpu_tensors_on_a_gpu_host_give_the_models_logits_bit_for_bit():
     """In a process whose kernels are compiled for a GPU (a GPU host; here a CPU process configured as one), CPU
     tensors take the PyTorch implementation: every LayerNorm family, patched in fp32 and bf16, gives the model's
-    logits bit for bit (torch's own LayerNorm of the same rounded sums), and so do Cohere and Cohere 2, whose own
-    LayerNorm classes spell the maths out (the ``layernorm_fp32`` mode, rounded step by step)."""
+    logits bit for bit (torch's own LayerNorm of the same rounded sums), bf16 models with their LayerNorms kept in
+    fp32 too, and so do Cohere and Cohere 2, whose own LayerNorm classes spell the maths out (the
+    ``layernorm_fp32`` mode, rounded step by step)."""
     script = f"""
 import sys
 sys.path[:0] = {[str(Path(__file__).parent), str(Path(__file__).parents[1])]!r}
@@ -175,12 +193,17 @@ cases.DEVICE = "cpu"
 from patch_models import tiny_model
 own_classes = dict(cohere=dict(), cohere2=dict(sliding_window=4))
 for family in [*cases.FAMILIES, *own_classes]:
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, fp32_norms in ((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)):
+        if fp32_norms and family in own_classes:
+            continue
         model = tiny_model(family, dtype, **own_classes[family]) if family in own_classes else cases.tiny(family, dtype)
+        for module in model.modules():
+            if fp32_norms and isinstance(module, torch.nn.LayerNorm):
+                module.float()
         x = cases.ids()
         expected = cases.logits(model, x)
         assert patch_model(model).fused_adds, family
-        assert torch.equal(cases.logits(model, x), expected), (family, dtype)
+        assert torch.equal(cases.logits(model, x), expected), (family, dtype, fp32_norms)
 """
     env = {k: v for k, v in os.environ.items() if k != backend.INTERPRETER_ENV}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
