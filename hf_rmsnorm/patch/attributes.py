@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 _NO_DEFAULT = object()
+_ABSENT = object()
 
 
 def registered_parameter(module: nn.Module, name: str, default: Any = _NO_DEFAULT) -> Any:
@@ -21,15 +22,12 @@ def registered_parameter(module: nn.Module, name: str, default: Any = _NO_DEFAUL
     Python looks an instance attribute up in the classes of the instance's type (a descriptor there, such as a
     property, wins), then in the instance's ``__dict__``, then in the classes again, and only then calls
     ``__getattr__``, which for an ``nn.Module`` returns the registered parameter of that name first. So where
-    ``name`` is a registered parameter (None included) and neither the instance's ``__dict__`` nor any class of
-    its type defines it, ``getattr`` returns ``module._parameters[name]``; each of those conditions is read here at
-    every call (a class attribute added later counts)."""
+    ``name`` is a registered parameter (None included) and neither the instance's ``__dict__`` nor the type (its
+    classes, or its metaclass: ``getattr`` of the type, which torch.compile traces where it refuses to read a
+    class's ``__dict__``) has it, ``getattr`` returns ``module._parameters[name]``; each of those conditions is
+    read here at every call (a class attribute added later counts)."""
     state = module.__dict__
     parameters = state["_parameters"]
-    if name in parameters and name not in state:
-        for cls in type(module).__mro__:
-            if name in cls.__dict__:
-                break
-        else:
-            return parameters[name]
+    if name in parameters and name not in state and getattr(type(module), name, _ABSENT) is _ABSENT:
+        return parameters[name]
     return getattr(module, name) if default is _NO_DEFAULT else getattr(module, name, default)

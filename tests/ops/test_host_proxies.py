@@ -96,10 +96,10 @@ CALLS_PER_TIMING, ROUNDS = 10, 1001
 # lookup and per-call checks 1.1 (the key reads eight tensor attributes: 0.6); the launch's arguments (contiguity, row
 # count, the alignment of five pointers: 0.4, the argument tuple) 1.2; its two output allocations (``empty_like``)
 # 1.0; the launch through the cached launcher 0.7 (0.2 of it the stand-in binary's own Python). Together 4.6; the
-# interleaved ratio below measures 4.9-5.0 (5.1-5.4 before the weight read, the flat key and the launcher's trims,
+# interleaved ratio below measures 4.9-5.1 (5.1-5.4 before the weight read, the flat key and the launcher's trims,
 # measured alike on the same host). A derived layer's ``norm_of_sum`` also compares the two tensors' shapes and
-# devices (5.2-5.3); ``nn.Module.__call__`` adds about 0.4 to a direct call of the module (``norm(x, residual=r)``
-# 5.3-5.4, ``norm(x)`` 4.1-4.3). Issue 28 asked for 2.5, less than the allocations, the launch, the guard and the
+# devices (5.2-5.5); ``nn.Module.__call__`` adds about 0.4 to a direct call of the module (``norm(x, residual=r)``
+# 5.3-5.6, ``norm(x)`` 4.1-4.4). Issue 28 asked for 2.5, less than the allocations, the launch, the guard and the
 # parameter reads take together (2.3) before the key's reads of the tensors (0.6) and the pointers' alignment (0.4),
 # which no bound launch can skip: 3.3. Each budget leaves a quarter on the Python part (all but the allocations) for
 # hosts whose Python is slower against torch's dispatch.
