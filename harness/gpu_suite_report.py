@@ -53,8 +53,9 @@ class SuiteRun:
 # hf_rmsnorm_wide and hf_rmsnorm_pipelined are the A/B's other sides: the speedup over them is the single-tile
 # backward's, and the unpipelined widest tile's. hf_sandwich_2launch is the sandwich's other side: the speedup over
 # it is the one launch's.
-KERNEL_BASELINES = ("hf_rmsnorm_wide", "hf_rmsnorm_pipelined", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "torch_layer_norm",
-                    "hf_eager_qk", "torch_rms_norm_qk", "hf_sandwich_2launch", "hf_eager_sandwich")
+KERNEL_BASELINES = ("hf_rmsnorm_wide", "hf_rmsnorm_pipelined", "hf_eager", "torch_rms_norm", "torch_compile",
+                    "liger", "torch_layer_norm", "hf_eager_qk", "torch_rms_norm_qk", "hf_sandwich_2launch",
+                    "hf_eager_sandwich")
 # This package's implementations, each reported in rows of its own.
 OURS = ("hf_rmsnorm", "hf_layernorm", "hf_qk_rope", "hf_sandwich")
 # The lines of the kernel benchmark's output that report host and GPU time per decode-sized call.

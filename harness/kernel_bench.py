@@ -83,8 +83,8 @@ import torch
 PHASES = ("fwd", "bwd", "fwd+bwd")
 # A sandwich layer's norm, add and next norm (norm_add_norm), and what it replaces; "x eager" is against the last.
 SANDWICH_IMPLS = ("hf_sandwich", "hf_sandwich_2launch", "hf_eager_sandwich")
-IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_rmsnorm_pipelined", "hf_eager", "torch_rms_norm", "torch_compile", "liger", "hf_layernorm",
-         "torch_layer_norm", *SANDWICH_IMPLS)
+IMPLS = ("hf_rmsnorm", "hf_rmsnorm_wide", "hf_rmsnorm_pipelined", "hf_eager", "torch_rms_norm", "torch_compile",
+         "liger", "hf_layernorm", "torch_layer_norm", *SANDWICH_IMPLS)
 DEFAULT_ROWS = (1, 16, 256, 4096, 16384, 65536)
 DEFAULT_HIDDEN = (896, 2048, 4096, 5120, 8192, 16384, 32768, 65536)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -494,10 +494,10 @@ def norm_bwd_kernel(
     blocks' loads into shared memory (asynchronous copies on sm_80 and later) while the current block is
     computed; the weight is loaded once, outside the loop. The widest tiles (``REREAD_ROW``:
     ``launch.bwd_rereads_row``) are too big to keep whole in registers beside the accumulators: they read the
-    weight per row block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs stride over the row
-    blocks rather than take a contiguous range each: the programs' row counts then differ by at most one block
-    (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they read neighbouring
-    rows. Wider rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
+    weight per row block, and the row again after its reductions (``launch.BWD_TILE_LIVE_VALUES``). Programs
+    stride over the row blocks rather than take a contiguous range each: the programs' row counts then differ by
+    at most one block (ranges of ``ceil(blocks / P)`` can leave the last programs idle), and at any moment they
+    read neighbouring rows. Wider rows take ``row_dot_kernel`` and ``column_bwd_kernel``."""
     counters = SYNC.to(tl.pointer_type(tl.int32), bitcast=True)
     tl.atomic_add(counters + STARTED, 1, sem="relaxed")
     pid = tl.program_id(0)

@@ -33,9 +33,9 @@ BWD_MAX_TILE_BYTES = 32768
 # The single-tile backward keeps, for every element of its tile, fp32 values live across the row reductions: the
 # gradient at the normalised row g and one accumulator per parameter gradient (weight, bias), and one more when
 # centring (LayerNorm), as the compilers allocate them; the widest tiles (bwd_rereads_row) read the normalised row
-# again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values
-# fit in a program's registers (16 warps at ptxas's 128 registers a thread hold 65536) with room for addresses and
-# the reductions: offline (Triton 3.6 and 3.9, sm_80 and sm_90, BENCHMARKS.md) the variants within it spill at
+# again after the reductions rather than keep it live too. At most BWD_TILE_LIVE_VALUES such values fit in a
+# program's registers (16 warps at ptxas's 128 registers a thread hold 65536) with room for addresses and the
+# reductions: offline (Triton 3.6 and 3.9, sm_80 and sm_90, BENCHMARKS.md) the variants within it spill at
 # most 64 bytes a thread, while three values per element at 16384 (a bias gradient, or centring) spill up to 176
 # bytes at Triton 3.6 on sm_90 (640 for LayerNorm with a bias), so those rows take the wide kernels.
 BWD_TILE_LIVE_VALUES = 2 * 16384
