@@ -19,7 +19,9 @@ must be the default plan's bit for bit (torch's rounding of ``residual + x``, wh
 output (forward) or the gradients of the input, the residual and the weight (backward) no less accurate than
 the default plan's, by the rule the kernel tests apply against the model's own module
 (``reference.error_beyond_bound``). Bitwise equality with the default plan would reject nearly every candidate:
-block rows and warps reshape the row reductions' trees, programs per SM the weight gradient's sum. A tuned plan
+block rows and warps reshape the row reductions' trees, programs per SM the weight gradient's sum. A candidate
+whose binaries spill more than the offline inspection allows the default plans (``spill_problem``: 64 bytes a
+thread) loses too: the widest backward tile pipelined spills 80-88 bytes on sm_80 with Triton 3.9. A tuned plan
 is keyed by the width bucket alone, never the row count, so a row's result stays independent of the batch it
 is in (docs/numerics.md). Times are ``kernel_bench``'s kernel-only figure: the median of CUDA graph
 replays timed with CUDA events, L2 flushed before each. A winner is timed again against the default, back to
@@ -54,9 +56,10 @@ from typing import Any, Callable
 
 import torch
 
-from hf_rmsnorm.ops import tuning
+from hf_rmsnorm.ops import launch, tuning
 from hf_rmsnorm.ops.reference import error_beyond_bound
 from . import kernel_bench
+from .kernel_inspect import MAX_SPILL_BYTES
 
 KERNELS = ("backward", "forward")
 DTYPES = ("bf16", "fp32")
@@ -143,6 +146,25 @@ def output_problem(kernel: str, outputs: tuple[torch.Tensor, ...], reference: tu
         if excess > 0:
             return f"{name} less accurate than the default plan's against fp64 (by {excess:.3g} over the bound)"
     return None
+
+
+def spill_problem() -> str | None:
+    """Why the binaries launched since the launchers' caches were last emptied spill more than the plans may
+    (``kernel_inspect.MAX_SPILL_BYTES`` a thread, the rule the offline inspection holds the default plans to), or
+    None. Triton's ``n_spills`` of a loaded binary is its local memory in 4-byte words: these kernels have no local
+    arrays, so all of it is spilled registers. The interpreter caches no binary: None there."""
+    spilled = max((4 * entry[0].n_spills for launcher in launch._LAUNCHERS.values()
+                   for cache in (launcher.by_plan, launcher.by_arguments) for entry in cache.values()), default=0)
+    if spilled > MAX_SPILL_BYTES:
+        return f"spills {spilled} B a thread (at most {MAX_SPILL_BYTES})"
+    return None
+
+
+def _empty_launcher_caches() -> None:
+    # Each candidate's binaries are then the only ones spill_problem reads; Triton's own cache keeps them compiled.
+    for launcher in launch._LAUNCHERS.values():
+        launcher.by_plan.clear()
+        launcher.by_arguments.clear()
 
 
 @dataclass
@@ -243,7 +265,8 @@ class Sweeper:
         def run(candidate: dict[str, int]) -> Trial:
             with tuning.plans_in_use({key: candidate}):
                 try:
-                    problem = output_problem(kernel, make_fn()(), reference, exact)
+                    _empty_launcher_caches()
+                    problem = output_problem(kernel, make_fn()(), reference, exact) or spill_problem()
                     if problem:
                         return Trial(candidate, problem)
                     return Trial(candidate, "ok", self.median_seconds(make_fn))

@@ -49,7 +49,7 @@ TARGET_TILE_ELEMENTS = 4096
 # The count is an upper bound: Triton allocates num_stages - 1 buffers (96 KiB for bf16 rows of 8192 with dsum
 # and 3 stages, compiled offline with Triton 3.6 and 3.9). The widest tiles are not pipelined by default: with 2
 # stages bf16 rows of 16384 take 128-160 KiB and spill 16-24 bytes on sm_90, 80-88 on sm_80 (Triton 3.9,
-# BENCHMARKS.md); the tuner may pipeline them where that is faster on the card.
+# BENCHMARKS.md); the tuner may pipeline them where that is faster on the card and spills at most 64 bytes.
 BWD_MAX_STAGES = 3
 BWD_PIPELINE_SMEM_BYTES = 160 * 1024
 BWD_LOADED_TENSORS = 3

@@ -334,3 +334,23 @@ def test_the_suite_copies_the_table_out_ready_to_commit(tmp_path):
     outcome = gpu_suite_report.Outcome("tune", section.what, "ok", data={tuning.TABLE_PATH.stem: table})
     gpu_suite_report.write_files(tmp_path, [outcome], gpu_suite.suite_run([section], [], toy=False, time_limit_s=None))
     assert tuning.read_table(tmp_path / tuning.TABLE_PATH.name) == table
+
+
+def test_a_candidate_whose_binaries_spill_past_the_inspection_rule_loses(monkeypatch):
+    """On a GPU the launchers cache the binaries a candidate launched; one that spills more than the offline
+    inspection's limit (Triton's ``n_spills``: 4-byte words of local memory) is refused, one within it passes.
+    In the interpreter no binary is cached and nothing is refused."""
+    from types import SimpleNamespace
+
+    from harness.kernel_inspect import MAX_SPILL_BYTES
+
+    def launchers(spill_words: int) -> dict:
+        binary = SimpleNamespace(n_spills=spill_words)
+        return {"kernel": SimpleNamespace(by_plan={}, by_arguments={("key",): (binary, None)})}
+
+    monkeypatch.setattr(launch, "_LAUNCHERS", launchers(MAX_SPILL_BYTES // 4 + 1))
+    assert kernel_tuning.spill_problem() == f"spills {MAX_SPILL_BYTES + 4} B a thread (at most {MAX_SPILL_BYTES})"
+    monkeypatch.setattr(launch, "_LAUNCHERS", launchers(MAX_SPILL_BYTES // 4))
+    assert kernel_tuning.spill_problem() is None
+    monkeypatch.setattr(launch, "_LAUNCHERS", {"kernel": SimpleNamespace(by_plan={}, by_arguments={})})
+    assert kernel_tuning.spill_problem() is None
