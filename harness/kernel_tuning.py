@@ -153,8 +153,8 @@ def spill_problem() -> str | None:
     (``kernel_inspect.MAX_SPILL_BYTES`` a thread, the rule the offline inspection holds the default plans to), or
     None. Triton's ``n_spills`` of a loaded binary is its local memory in 4-byte words: these kernels have no local
     arrays, so all of it is spilled registers. The interpreter caches no binary: None there."""
-    spilled = max((4 * entry[0].n_spills for launcher in launch._LAUNCHERS.values()
-                   for cache in (launcher.by_plan, launcher.by_arguments) for entry in cache.values()), default=0)
+    spilled = max((4 * binary.n_spills for launcher in launch._LAUNCHERS.values() for binary in launcher.binaries()),
+                  default=0)
     if spilled > MAX_SPILL_BYTES:
         return f"spills {spilled} B a thread (at most {MAX_SPILL_BYTES})"
     return None
@@ -163,8 +163,7 @@ def spill_problem() -> str | None:
 def _empty_launcher_caches() -> None:
     # Each candidate's binaries are then the only ones spill_problem reads; Triton's own cache keeps them compiled.
     for launcher in launch._LAUNCHERS.values():
-        launcher.by_plan.clear()
-        launcher.by_arguments.clear()
+        launcher.clear()
 
 
 @dataclass

@@ -109,6 +109,16 @@ class CachedLauncher:
         self.by_arguments: dict[tuple, tuple] = {}
         self.by_plan: dict[tuple, tuple] = {}
 
+    def binaries(self) -> list[Any]:
+        """The compiled kernels of the launches cached so far (each entry's first item)."""
+        return [entry[0] for cache in (self.by_plan, self.by_arguments) for entry in cache.values()]
+
+    def clear(self) -> None:
+        """Forgets every cached launch: the next of each goes through ``kernel[grid](...)`` again, whose own cache
+        keeps the binaries compiled."""
+        self.by_plan.clear()
+        self.by_arguments.clear()
+
     def __call__(self, grid: int, device: int, args: tuple, constexprs: dict[str, Any], num_warps: int,
                  plan: object = None, varying: tuple = ()) -> None:
         if _KNOBS is None or not self.cacheable:

@@ -144,8 +144,7 @@ def test_cached_launches_equal_tritons_own():
     """Misses go through kernel[grid](...), hits through the cached launcher: both give the same bits, for
     aligned and unaligned inputs and decode- and prefill-sized calls."""
     for launcher in launch._LAUNCHERS.values():
-        launcher.by_plan.clear()
-        launcher.by_arguments.clear()
+        launcher.clear()
     g = torch.Generator(device="cuda").manual_seed(0)
     base = torch.randn(64 * 4096 + 8, device="cuda", dtype=torch.bfloat16, generator=g)
     weight = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -399,3 +398,20 @@ def test_a_bound_norm_records_the_graph_where_autograd_does():
     y, _ = bound.fused_add_norm(x, residual, weight, 1e-6, None)
     y.float().sum().backward()
     assert weight.grad is not None
+
+
+def test_a_cleared_launcher_holds_no_binary_and_launches_through_triton_again(monkeypatch):
+    """``binaries`` lists what the cache holds (the tuner reads their spills); after ``clear`` the next call takes
+    ``kernel[grid](...)`` once more and is then cached again."""
+    kernel = stand_in_forward_kernel(monkeypatch)
+    launcher = launch._LAUNCHERS[launch.norm_fwd_kernel]
+    call = _forward_call()
+    with torch.no_grad():
+        call()
+        call()
+    assert kernel.compilations == 1 and len(launcher.binaries()) == 1
+    launcher.clear()
+    assert launcher.binaries() == []
+    with torch.no_grad():
+        call()
+    assert kernel.compilations == 2 and len(launcher.binaries()) == 1

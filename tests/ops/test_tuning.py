@@ -344,13 +344,12 @@ def test_a_candidate_whose_binaries_spill_past_the_inspection_rule_loses(monkeyp
 
     from harness.kernel_inspect import MAX_SPILL_BYTES
 
-    def launchers(spill_words: int) -> dict:
-        binary = SimpleNamespace(n_spills=spill_words)
-        return {"kernel": SimpleNamespace(by_plan={}, by_arguments={("key",): (binary, None)})}
+    def launchers(*spill_words: int) -> dict:
+        return {"kernel": SimpleNamespace(binaries=lambda: [SimpleNamespace(n_spills=n) for n in spill_words])}
 
-    monkeypatch.setattr(launch, "_LAUNCHERS", launchers(MAX_SPILL_BYTES // 4 + 1))
+    monkeypatch.setattr(launch, "_LAUNCHERS", launchers(0, MAX_SPILL_BYTES // 4 + 1))
     assert kernel_tuning.spill_problem() == f"spills {MAX_SPILL_BYTES + 4} B a thread (at most {MAX_SPILL_BYTES})"
     monkeypatch.setattr(launch, "_LAUNCHERS", launchers(MAX_SPILL_BYTES // 4))
     assert kernel_tuning.spill_problem() is None
-    monkeypatch.setattr(launch, "_LAUNCHERS", {"kernel": SimpleNamespace(by_plan={}, by_arguments={})})
+    monkeypatch.setattr(launch, "_LAUNCHERS", launchers())
     assert kernel_tuning.spill_problem() is None
