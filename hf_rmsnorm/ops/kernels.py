@@ -456,16 +456,23 @@ def _input_grad(g, n, c, g_mean, rstd, CENTER: tl.constexpr):
 
 @triton.jit
 def _store_input_grad(
-    dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+    dx, rstd, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
     HAS_DSUM: tl.constexpr, HAS_DRES: tl.constexpr, ROUND_BEFORE_DSUM: tl.constexpr,
 ):
     """Folds in the gradient that reached the residual sum and stores the input gradient (twice when x and
-    the residual have different dtypes). With ``ROUND_BEFORE_DSUM`` the norm's own input gradient is rounded to
-    ``DX``'s dtype before the fp32 add, so the stored sum is what autograd's accumulation of the two rounded
-    gradients (an aten add in that dtype, computed in fp32 and rounded once) gives, bit for bit."""
+    the residual have different dtypes). ``dx`` is ``_input_grad``'s, of the rows' ``rstd``. With
+    ``ROUND_BEFORE_DSUM`` the norm's own input gradient is rounded to ``DX``'s dtype before the fp32 add, so the
+    stored sum is what autograd's accumulation of the two rounded gradients (an aten add in that dtype, computed in
+    fp32 and rounded once) gives, bit for bit."""
     if HAS_DSUM:
         if ROUND_BEFORE_DSUM:
             dx = dx.to(DX.dtype.element_ty).to(tl.float32)
+        else:
+            # dx is a product (``* rstd``), which the GPU compiler would fuse with this add into one FMA: the sum
+            # rounded once, where the adds apart round the product, then the sum (an fp32 model's gradients then
+            # differed from the unfused ones in the last bit on an H200; the interpreter never fuses). Multiplying
+            # by an opaque 1.0 (the compiler cannot know rstd is finite) is exact and keeps the product's rounding.
+            dx = dx * (rstd * 0.0 + 1.0)[:, None]
         dx += tl.load(DSUM + rows[:, None] * stride_dsum + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_DRES:
@@ -538,7 +545,7 @@ def norm_bwd_kernel(
             # reductions (the tests pin the traffic this adds: 2 bytes per bf16 element).
             n = _normalised_row(S, rows, cols, mask, rstd, mean, stride_s, CENTER, LAST_READ=True)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
-        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+        _store_input_grad(dx, rstd, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES, ROUND_BEFORE_DSUM)
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + partial_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
@@ -617,7 +624,7 @@ def column_bwd_kernel(
         dy, n, g, n_weighted = _input_grad_tile(DY, S, W, w, rows, cols, mask, rstd, mean, stride_dy, stride_s,
                                                 HAS_WEIGHT, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, CENTER)
         dx = _input_grad(g, n, c, g_mean, rstd, CENTER)
-        _store_input_grad(dx, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
+        _store_input_grad(dx, rstd, DSUM, DX, DRES, rows, cols, mask, stride_dsum, stride_dx, stride_dres,
                           HAS_DSUM, HAS_DRES, ROUND_BEFORE_DSUM)
         if HAS_WEIGHT:
             dw_acc += dy * n_weighted
