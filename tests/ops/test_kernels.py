@@ -546,6 +546,30 @@ def test_batch_invariance_on_a_gpu(n_cols):
             assert torch.equal(alone, together[:batch]), (n_cols, batch)
 
 
+# H200, Triton 3.6, 2026-11-28: the LayerNorm forward in fp32 at width 37 gave 26 of 111 elements an ulp apart with
+# and without its statistics (BENCHMARKS.md). Both binaries' PTX does the same arithmetic in the same order; ptxas
+# fuses 80 multiply-add pairs into FMAs in one and 48 in the other (their SASS, compiled offline for sm_90).
+_STATS_CHANGE_THE_OUTPUT_ON_A_GPU = {("layernorm", 37, torch.float32)}
+
+
+@pytest.mark.parametrize("mode", ["llama", "layernorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_cols", [37, 64, 2048])
+def test_storing_the_statistics_leaves_the_output_alone(n_cols, dtype, mode, request):
+    """A forward that stores its statistics for the backward (training, and every compiled call) and one that
+    does not (inference) give the same output, bit for bit. Not so on an H200 in one case (above): an expected
+    failure there, which reports when a change makes it pass."""
+    if (mode, n_cols, dtype) in _STATS_CHANGE_THE_OUTPUT_ON_A_GPU and not kernels_interpreted():
+        request.applymarker(pytest.mark.xfail(reason="an ulp apart on an H200: ptxas fuses differently",
+                                              strict=False))
+    x = _randn(64, n_cols, dtype=dtype, seed=96)
+    weight = (_randn(n_cols, scale=0.5, seed=97) + 1).to(dtype)
+    bias = _randn(n_cols, dtype=dtype, scale=0.5, seed=98) if mode == "layernorm" else None
+    inference, _, _ = launch.norm_forward(x, None, weight, bias, EPS, mode, store_stats=False)
+    training, _, _ = launch.norm_forward(x, None, weight, bias, EPS, mode, store_stats=True)
+    assert torch.equal(inference, training)
+
+
 def test_weight_gradient_is_deterministic():
     x = _randn(37, 300, dtype=torch.bfloat16, seed=39).requires_grad_()
     weight = _randn(300, dtype=torch.bfloat16, seed=40).requires_grad_()
