@@ -256,13 +256,24 @@ def test_the_descent_moves_one_constant_at_a_time_and_confirms_its_winner():
     assert sweep.default == {"block_m": 64, "num_warps": 8} and sweep.default_seconds == 3.5
     assert [t.plan for t in sweep.trials] == [
         {"block_m": 32, "num_warps": 8}, {"block_m": 128, "num_warps": 8},
-        {"block_m": 32, "num_warps": 4}, {"block_m": 32, "num_warps": 16}]
+        {"block_m": 32, "num_warps": 4}, {"block_m": 32, "num_warps": 16},
+        {"block_m": 64, "num_warps": 4}, {"block_m": 64, "num_warps": 16}]  # the default's, not yet tried
     assert all(t.status == "ok" for t in sweep.trials)  # as accurate as the default plan against fp64
     assert (sweep.best, sweep.best_seconds, sweep.complete) == ({"block_m": 32, "num_warps": 4}, 2.0, True)
     assert sweep.wins()
     assert sweep.entry() == {"kernel": "forward", "elem_bytes": 2, "width_bucket": 64,
                              "plan": {"block_m": 32, "num_warps": 4},
                              "measured": {"rows": 16, "us": 2e6, "default_us": 3.5e6}}
+
+
+def test_a_constant_changed_alone_from_the_default_is_tried_after_the_descent():
+    """The descent moves block_m first (slightly faster), and warps around it are slower; the default with fewer
+    warps, which it never tries, is the fastest."""
+    times = {(32, 8): 1.9, (64, 4): 1.5}
+    settings = _stand_in_settings(lambda p: times.get((p.block_m, p.num_warps), 2.5 if p.block_m == 32 else 3.0))
+    sweep = kernel_tuning.Sweeper(settings, None, math.inf).sweep("forward", "bf16", 64, 1024, None)
+    assert {"block_m": 64, "num_warps": 4} in [t.plan for t in sweep.trials]
+    assert (sweep.best, sweep.best_seconds) == ({"block_m": 64, "num_warps": 4}, 1.5)
 
 
 def test_the_time_limit_stops_the_descent_with_the_default_kept():
