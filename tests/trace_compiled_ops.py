@@ -34,7 +34,7 @@ from hf_rmsnorm.ops.modes import MODES  # noqa: E402
 
 HIDDEN = 64
 ROWS = 5
-FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "ADD_AFTER", "STORE_STATS", "HAS_DSUM", "HAS_DRES", "CENTER")
+FLAGS = ("HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "ADD_AFTER", "HAS_DSUM", "HAS_DRES", "CENTER")
 
 
 def _without_a_gpu() -> None:

@@ -47,16 +47,22 @@ from .modes import STATS_SYNC_SLOTS
 # fact): a row runs the same compiled code whatever the batch it is in, only the integers' width following their
 # size (docs/numerics.md, "Batch invariance").
 ROW_COUNT_ARGS = ("n_rows", "n_row_blocks", "rows_per_group", "q_rows", "k_rows", "tokens")
+# Flags passed at run time, not as constexprs, so that the calls they tell apart run one compiled kernel: whether a
+# forward stores its statistics (training, compiled calls) or not (inference). Two binaries of the same arithmetic
+# need not round alike: ptxas may fuse a multiply and an add into one FMA, and on an H200 it fused different pairs
+# in the binaries with and without the statistics' stores (docs/numerics.md, "Batch invariance").
+RUNTIME_FLAG_ARGS = ("store_stats",)
 
 
-def row_count_args(fn: Callable[..., Any]) -> list[str]:
-    """The parameters of the kernel function ``fn`` that carry the row count (``ROW_COUNT_ARGS``)."""
-    return [name for name in inspect.signature(fn).parameters if name in ROW_COUNT_ARGS]
+def unspecialised_args(fn: Callable[..., Any]) -> list[str]:
+    """The parameters of the kernel function ``fn`` that Triton must not specialise on: those carrying the row
+    count (``ROW_COUNT_ARGS``) and the flags passed at run time (``RUNTIME_FLAG_ARGS``)."""
+    return [name for name in inspect.signature(fn).parameters if name in ROW_COUNT_ARGS + RUNTIME_FLAG_ARGS]
 
 
-def jit_unspecialised_on_rows(fn: Callable[..., Any]) -> Any:
-    """``triton.jit``, not specialised on the row count's value (``ROW_COUNT_ARGS``)."""
-    return triton.jit(fn, do_not_specialize=row_count_args(fn))
+def jit_unspecialised(fn: Callable[..., Any]) -> Any:
+    """``triton.jit``, not specialised on the values of ``unspecialised_args``."""
+    return triton.jit(fn, do_not_specialize=unspecialised_args(fn))
 
 
 # The int32 counters at the start of the statistics (modes.STATS_SYNC_SLOTS), by index: the backward's programs
@@ -167,23 +173,23 @@ def _scale_and_store(
     return stored
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def norm_fwd_kernel(
     X, RESIDUAL, W, B, Y, SUM_OUT, STATS,
     n_rows, n_cols,
     stride_x, stride_res, stride_y, stride_sum,
-    eps,
+    eps, store_stats,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr,
-    STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SINGLE_TILE: tl.constexpr, ADD_AFTER: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Normalises rows ``BLOCK_M`` at a time. ``HAS_RESIDUAL``: the norm reads ``residual + x`` (pre-norm
     layers); ``ADD_AFTER``: the output is ``residual + norm(x)`` (post-norm layers); never both. ``SUM_OUT`` is
     the residual sum (unused without residual); ``STATS`` holds the backward's counters, which program 0 zeroes,
     then ``rstd`` for every row, followed by the row means when ``CENTER`` (``modes.STATS_SYNC_SLOTS``); written
-    only with ``STORE_STATS`` (the backward's input: inference passes None).
+    only where ``store_stats`` (a run-time flag, ``RUNTIME_FLAG_ARGS``: the backward's input; inference passes 0
+    and a tensor the kernel leaves alone).
 
     Rows of one tile (``SINGLE_TILE``): one program per row block. Wider rows: a persistent grid, program ``p``
     of ``P`` normalising row blocks ``p, p + P, ...`` (``launch.forward_grid`` sizes ``P`` so that the rows in
@@ -196,7 +202,7 @@ def norm_fwd_kernel(
         NORM_DTYPE: tl.constexpr = SUM_OUT.dtype.element_ty
     else:
         NORM_DTYPE: tl.constexpr = X.dtype.element_ty
-    if STORE_STATS:
+    if store_stats:
         if tl.program_id(0) == 0:
             tl.store(STATS.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
                      tl.zeros([SYNC_SLOTS], dtype=tl.int32))
@@ -211,7 +217,7 @@ def norm_fwd_kernel(
                                HAS_RESIDUAL)
         _normalise_tile(s, W, B, Y, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows, n_cols,
                         stride_y, stride_res, eps, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT,
-                        CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, ADD_AFTER, STORE_STATS)
+                        CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, ADD_AFTER, store_stats)
     else:
         for block in range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
             rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -220,7 +226,7 @@ def norm_fwd_kernel(
                 X, RESIDUAL, W, B, Y, SUM_OUT, STATS, rows, row_mask, n_rows, n_cols,
                 stride_x, stride_res, stride_y, stride_sum, eps, runtime_one, NORM_DTYPE,
                 HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER,
-                DIVIDE_BY_STD, BLOCK_M, BLOCK_N, ADD_AFTER, STORE_STATS, NUM_STAGES)
+                DIVIDE_BY_STD, BLOCK_M, BLOCK_N, ADD_AFTER, store_stats, NUM_STAGES)
 
 
 @triton.jit
@@ -228,10 +234,10 @@ def _normalise_tile(
     s, W, B, Y, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows, n_cols, stride_y, stride_res, eps,
     runtime_one, NORM_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr,
+    CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, ADD_AFTER: tl.constexpr, store_stats,
 ):
     """The single-tile forward of rows whose norm input ``s`` (fp32, zero where masked) is loaded: the statistics,
-    ``_scale_and_store``'s output (stored, and returned as stored) and, with ``STORE_STATS``, ``rstd`` (and the
+    ``_scale_and_store``'s output (stored, and returned as stored) and, where ``store_stats``, ``rstd`` (and the
     means when ``CENTER``) into ``STATS``."""
     if CENTER:
         mean = _row_mean(tl.sum(s, axis=1), n_cols, DIVIDE_BY_STD)
@@ -246,34 +252,33 @@ def _normalise_tile(
     stored = _scale_and_store(s, _row_scale(variance, eps, rstd, DIVIDE_BY_STD), W, B, Y, RESIDUAL, rows, cols,
                               col_mask, mask, stride_y, stride_res, runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS,
                               CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER)
-    if STORE_STATS:
+    if store_stats:
         _store_stats(STATS, rows, row_mask, n_rows, rstd, mean if CENTER else rstd, CENTER)
     return stored
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def norm_add_norm_fwd_kernel(
     X, RESIDUAL, W, B, SUM_OUT, STATS, W2, B2, Y, STATS2,
     n_rows, n_cols,
     stride_x, stride_res,
-    eps, eps2,
+    eps, eps2, store_stats,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_WEIGHT2: tl.constexpr, HAS_BIAS2: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    STORE_STATS: tl.constexpr,
 ):
     """Two norms of one mode and the residual add between them (sandwich-norm layers: Gemma 2-4, GLM-4), for rows
     of one tile, ``BLOCK_M`` at a time: ``SUM_OUT = residual + norm(x)`` exactly as ``norm_fwd_kernel``'s
     ``ADD_AFTER`` computes it (the norm's output rounded to ``SUM_OUT``'s dtype, then the add, rounded), and
     ``Y = norm2(SUM_OUT)`` (weight ``W2``, bias ``B2``, ``eps2``) of that rounded sum, as ``norm_fwd_kernel``
     normalises an input of ``SUM_OUT``'s dtype. The sum stays in registers between the two: x and the residual are
-    read once, the sum and ``Y`` written once (8 bytes per bf16 element, where the two kernels move 14). With
-    ``STORE_STATS``, ``STATS`` gets the first norm's statistics and ``STATS2`` the second's, each as
-    ``norm_fwd_kernel`` lays them out (program 0 zeroes both tensors' counters)."""
+    read once, the sum and ``Y`` written once (8 bytes per bf16 element, where the two kernels move 14). Where
+    ``store_stats`` (a run-time flag, as in ``norm_fwd_kernel``), ``STATS`` gets the first norm's statistics and
+    ``STATS2`` the second's, each as ``norm_fwd_kernel`` lays them out (program 0 zeroes both tensors' counters)."""
     eps = tl.cast(eps, tl.float32)  # as in norm_fwd_kernel: never fp64
     eps2 = tl.cast(eps2, tl.float32)
     runtime_one = eps * 0.0 + 1.0
-    if STORE_STATS:
+    if store_stats:
         if tl.program_id(0) == 0:
             tl.store(STATS.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
                      tl.zeros([SYNC_SLOTS], dtype=tl.int32))
@@ -288,11 +293,11 @@ def norm_add_norm_fwd_kernel(
     total = _normalise_tile(x, W, B, SUM_OUT, RESIDUAL, STATS, rows, cols, row_mask, col_mask, mask, n_rows,
                             n_cols, n_cols, stride_res, eps, runtime_one, X.dtype.element_ty, HAS_WEIGHT, HAS_BIAS,
                             CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, True,
-                            STORE_STATS)
+                            store_stats)
     total = tl.where(mask, total.to(tl.float32), 0.0)
     _normalise_tile(total, W2, B2, Y, RESIDUAL, STATS2, rows, cols, row_mask, col_mask, mask, n_rows, n_cols,
                     n_cols, stride_res, eps2, runtime_one, SUM_OUT.dtype.element_ty, HAS_WEIGHT2, HAS_BIAS2,
-                    CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, False, STORE_STATS)
+                    CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT, WEIGHT_OFFSET, CENTER, DIVIDE_BY_STD, False, store_stats)
 
 
 @triton.jit
@@ -329,7 +334,7 @@ def _normalise_looped_rows(
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, CAST_TO_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     CENTER: tl.constexpr, DIVIDE_BY_STD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ADD_AFTER: tl.constexpr, STORE_STATS: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ADD_AFTER: tl.constexpr, store_stats, NUM_STAGES: tl.constexpr,
 ):
     """One block of rows wider than a tile, in passes over column blocks: the first writes the residual sum and
     accumulates the sum of squares (the sum, when centring), pipelined; the last re-reads the norm's input,
@@ -382,7 +387,7 @@ def _normalise_looped_rows(
         _scale_and_store(s, scale, W, B, Y, RESIDUAL, rows, cols, col_mask, mask, stride_y, stride_res,
                          runtime_one, NORM_DTYPE, HAS_WEIGHT, HAS_BIAS, CAST_BEFORE_WEIGHT, CAST_TO_WEIGHT,
                          WEIGHT_OFFSET, DIVIDE_BY_STD, ADD_AFTER, STREAMED=True)
-    if STORE_STATS:
+    if store_stats:
         _store_stats(STATS, rows, row_mask, n_rows, rstd, mean, CENTER)
 
 
@@ -479,7 +484,7 @@ def _store_input_grad(
         tl.store(DRES + rows[:, None] * stride_dres + cols[None, :], dx.to(DRES.dtype.element_ty), mask=mask)
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def norm_bwd_kernel(
     DY, DSUM, S, STATS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_row_blocks,
@@ -555,7 +560,7 @@ def norm_bwd_kernel(
                                HAS_BIAS)
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def row_dot_kernel(
     DY, S, STATS, W, ROW_MEANS,
     n_rows, n_cols,
@@ -587,7 +592,7 @@ def row_dot_kernel(
         tl.store(ROW_MEANS + n_rows + rows, tl.sum(g_sum, axis=1) / n_cols, mask=row_mask)
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def column_bwd_kernel(
     DY, DSUM, S, STATS, ROW_MEANS, W, DX, DRES, DW_PARTIAL, DB_PARTIAL, DW, DB, SYNC,
     n_rows, n_cols, n_col_blocks, rows_per_group,

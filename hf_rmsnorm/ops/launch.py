@@ -257,6 +257,27 @@ def _new_rows(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+@functools.lru_cache(maxsize=None)
+def _stats_left_alone(device_index: int) -> torch.Tensor:
+    """The statistics argument of an eager forward that stores none, on GPU ``device_index`` (-1: the CPU):
+    an fp32 tensor the kernel never touches (its ``store_stats`` is 0). A real pointer, rather than None, makes
+    the launch bind the very compiled kernel that a forward storing them binds (``kernels.RUNTIME_FLAG_ARGS``).
+    One per device, kept for the process: a CUDA graph may hold its address."""
+    device = torch.device("cpu") if device_index < 0 else torch.device("cuda", device_index)
+    return torch.empty(STATS_SYNC_SLOTS, dtype=torch.float32, device=device)
+
+
+def stats_argument(stats: torch.Tensor | None, like: torch.Tensor, device_index: int, traced: bool) -> torch.Tensor:
+    """What a forward launch passes for its statistics: ``stats`` where it stores them, otherwise a tensor the
+    kernel leaves alone, on ``like``'s device (GPU ``device_index``): ``_stats_left_alone``'s, or, while a graph is
+    traced, a fresh one (a traced graph takes no tensor from outside it)."""
+    if stats is not None:
+        return stats
+    if traced:
+        return like.new_empty(STATS_SYNC_SLOTS, dtype=torch.float32)
+    return _stats_left_alone(device_index)
+
+
 class ForwardLaunch:
     """The forward kernel's launch for one combination of argument dtypes (None: the tensor is absent), width, mode,
     flags and GPU architecture: the output dtypes, the tiling and the kernel flags, worked out once by
@@ -283,7 +304,7 @@ class ForwardLaunch:
         self.constexprs = dict(HAS_RESIDUAL=residual_dtype is not None, HAS_WEIGHT=weight_dtype is not None,
                                HAS_BIAS=bias_dtype is not None, **m.forward_kernel_flags,
                                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
-                               ADD_AFTER=add_after, STORE_STATS=store_stats, NUM_STAGES=tiling.num_stages)
+                               ADD_AFTER=add_after, NUM_STAGES=tiling.num_stages)
         self.store_stats = store_stats
         # Whether an output of a contiguous x can be allocated like x (``_new_rows``), decided once here.
         self.y_like_x = self.y_dtype == x_dtype
@@ -323,8 +344,10 @@ class ForwardLaunch:
         device = x.get_device()
         rows_per_program = self.single_tile_rows
         grid = -(-n_rows // rows_per_program) if rows_per_program else self.grid(n_rows, device)
+        stats_arg = stats_argument(stats, x, device, traced_kernel is not None)
         # Outputs are fresh and contiguous: their row stride is n_cols.
-        args = (x2, r2, weight, bias, y, new_residual, stats, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols, eps)
+        args = (x2, r2, weight, bias, y, new_residual, stats_arg, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols,
+                eps, self.store_stats)
         if traced_kernel is not None:
             _launch(traced_kernel, grid, args, self.constexprs, self.num_warps)
             return y, new_residual, stats
@@ -333,7 +356,7 @@ class ForwardLaunch:
         # call there remain the pointers' alignment and eps's type (unaligned pointers and an eps other than a
         # float, which the public ops pass and Triton never specialises, take the key by arguments), the row
         # count's class and the input row strides, exact (a model repeats a few).
-        by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats)
+        by_plan = type(eps) is float and all_aligned(x2, r2, weight, bias, y, new_residual, stats_arg)
         _launch(norm_fwd_kernel, grid, args, self.constexprs, self.num_warps, self if by_plan else None,
                 (int_class(n_rows), stride_x, stride_r, dtype_of(residual_after)), device)
         return y, new_residual, stats
@@ -393,8 +416,7 @@ class SandwichLaunch:
         self.total_dtype = residual_dtype  # the first norm's output dtype, which the caller checked is this
         self.y_dtype = m.output_dtype_of(residual_dtype, weight2_dtype, bias2_dtype)
         self.n_cols, self.tiling, self.store_stats = n_cols, tiling, store_stats
-        self.constexprs = dict(constexprs, **m.forward_kernel_flags, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n,
-                               STORE_STATS=store_stats)
+        self.constexprs = dict(constexprs, **m.forward_kernel_flags, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
                  bias: torch.Tensor | None, eps: float, weight2: torch.Tensor | None, bias2: torch.Tensor | None,
@@ -413,8 +435,10 @@ class SandwichLaunch:
         r2, stride_r = (residual, n_cols) if residual.is_contiguous() else _as_rows(residual, n_cols)
         # Unit stride for the parameters, as in ForwardLaunch (contiguous() of a contiguous tensor is itself).
         weight, bias, weight2, bias2 = (None if t is None else t.contiguous() for t in (weight, bias, weight2, bias2))
-        args = (x2, r2, weight, bias, total, stats, weight2, bias2, y, stats2, n_rows, n_cols, stride_x, stride_r,
-                eps, eps2)
+        device, traced = x.get_device(), traced_kernel is not None
+        stats_arg, stats2_arg = (stats_argument(t, x, device, traced) for t in (stats, stats2))
+        args = (x2, r2, weight, bias, total, stats_arg, weight2, bias2, y, stats2_arg, n_rows, n_cols, stride_x,
+                stride_r, eps, eps2, self.store_stats)
         grid = cdiv(n_rows, self.tiling.block_m)
         if traced_kernel is not None:
             _launch(traced_kernel, grid, args, self.constexprs, self.tiling.num_warps)
@@ -422,9 +446,9 @@ class SandwichLaunch:
         # By plan as in ForwardLaunch: per call there remain the pointers' alignment, the eps values' type, the row
         # count's class and the input row strides.
         by_plan = type(eps) is float and type(eps2) is float and all_aligned(
-            x2, r2, weight, bias, total, stats, weight2, bias2, y, stats2)
+            x2, r2, weight, bias, total, stats_arg, weight2, bias2, y, stats2_arg)
         _launch(norm_add_norm_fwd_kernel, grid, args, self.constexprs, self.tiling.num_warps,
-                self if by_plan else None, (int_class(n_rows), stride_x, stride_r))
+                self if by_plan else None, (int_class(n_rows), stride_x, stride_r), device)
         return y, total, stats, stats2
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import SYNC_SLOTS, STARTED, jit_unspecialised_on_rows, sum_partials_once_written
+from .kernels import SYNC_SLOTS, STARTED, jit_unspecialised, sum_partials_once_written
 
 # The dtype a value is rounded to, as a constexpr code (a norm's output dtype, which no pointer carries):
 # fp32 (no rounding: the kernels compute in fp32), bf16, fp16.
@@ -152,22 +152,23 @@ def _rotated(n_a, n_b, cos, sin, sign, runtime_one, OUT_DTYPE: tl.constexpr):
     return (first + sign * second).to(OUT_DTYPE)
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def qk_norm_rope_fwd_kernel(
     Q, K, QW, KW, COS, SIN, QOUT, KOUT, STATS,
     q_rows, k_rows, q_heads, k_heads, tokens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
     stride_qob, stride_qot, stride_qoh, stride_kob, stride_kot, stride_koh,
     stride_cb, stride_ct, stride_sb, stride_st,
-    q_eps, k_eps,
+    q_eps, k_eps, store_stats,
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PER_HEAD: tl.constexpr,
     HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr, Q_NORM_ROUND: tl.constexpr, K_NORM_ROUND: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, K_BLOCK_M: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, K_HEADS_BLOCK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, STORE_STATS: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
 ):
     """Normalises and rotates q's rows (programs ``[0, cdiv(q_rows, Q_BLOCK_M))``, ``Q_BLOCK_M`` rows each) and
-    k's (the programs after). ``STATS`` (written only with ``STORE_STATS``: the backward's input) holds the
+    k's (the programs after). ``STATS`` (written only where ``store_stats``, a run-time flag as in
+    ``kernels.norm_fwd_kernel``: the backward's input) holds the
     backward's counters, which program 0 zeroes (``modes.STATS_SYNC_SLOTS``), then ``rstd`` of q's rows, then of
     k's. ``Q_NORM_ROUND`` / ``K_NORM_ROUND``: the code of each norm's output dtype (``ROUND_FP32``...)."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the rows into fp64 maths.
@@ -175,7 +176,7 @@ def qk_norm_rope_fwd_kernel(
     k_eps = tl.cast(k_eps, tl.float32)
     runtime_one = q_eps * 0.0 + 1.0  # eps is finite (checked on the host); the compiler cannot fold this
     pid = tl.program_id(0)
-    if STORE_STATS:
+    if store_stats:
         if pid == 0:
             tl.store(STATS.to(tl.pointer_type(tl.int32), bitcast=True) + tl.arange(0, SYNC_SLOTS),
                      tl.zeros([SYNC_SLOTS], dtype=tl.int32))
@@ -185,13 +186,13 @@ def qk_norm_rope_fwd_kernel(
                          stride_qb, stride_qt, stride_qh, stride_qob, stride_qot, stride_qoh,
                          stride_cb, stride_ct, stride_sb, stride_st, q_eps, runtime_one,
                          HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_Q_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         Q_NORM_ROUND, Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, STORE_STATS)
+                         Q_NORM_ROUND, Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats)
     else:
         _norm_rope_block(K, KW, COS, SIN, KOUT, STATS, q_rows, pid - q_blocks, k_rows, k_heads,
                          tokens, stride_kb, stride_kt, stride_kh, stride_kob, stride_kot, stride_koh,
                          stride_cb, stride_ct, stride_sb, stride_st, k_eps, runtime_one,
                          HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_K_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         K_NORM_ROUND, K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, STORE_STATS)
+                         K_NORM_ROUND, K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats)
 
 
 @triton.jit
@@ -202,7 +203,7 @@ def _norm_rope_block(
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PER_HEAD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, NORM_ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    STORE_STATS: tl.constexpr,
+    store_stats,
 ):
     """The forward of one block of ``BLOCK_M`` rows of one tensor (``qk_norm_rope_fwd_kernel``), whose ``rstd``
     go to the statistics from row ``first_row`` on."""
@@ -224,7 +225,7 @@ def _norm_rope_block(
                                        HEADS_BLOCK), mask=pass_mask, other=0.0).to(tl.float32)
         sum_squares += tl.sum(tl.sum(xp * xp, axis=2), axis=1)
     rstd = tl.math.rsqrt(sum_squares / width + eps)
-    if STORE_STATS:
+    if store_stats:
         tl.store(STATS + SYNC_SLOTS + first_row + rows, rstd, mask=row_mask)
 
     cos1 = _trig_tile(COS, b, t, stride_cb, stride_ct, row_mask, 0, HALF, HALF_BLOCK)
@@ -248,7 +249,7 @@ def _norm_rope_block(
                                      HEADS_BLOCK), n_pass.to(OUT_DTYPE), mask=pass_mask)
 
 
-@jit_unspecialised_on_rows
+@jit_unspecialised
 def qk_norm_rope_bwd_kernel(
     DQOUT, DKOUT, Q, K, QW, KW, COS, SIN, STATS, DQ, DK, DQW_PARTIAL, DKW_PARTIAL, DQW, DKW, SYNC,
     q_rows, k_rows, q_heads, k_heads, tokens,

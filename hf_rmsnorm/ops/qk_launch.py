@@ -141,7 +141,7 @@ class QKForwardLaunch:
             HAS_Q_WEIGHT=q_weight_dtype is not None, HAS_K_WEIGHT=k_weight_dtype is not None,
             CAST_BEFORE_WEIGHT=m.cast_before_weight, WEIGHT_OFFSET=m.weight_offset,
             Q_NORM_ROUND=_ROUND_CODES[q_norm_dtype], K_NORM_ROUND=_ROUND_CODES[k_norm_dtype],
-            **self.plan.constexprs(), STORE_STATS=store_stats)
+            **self.plan.constexprs())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
@@ -166,8 +166,10 @@ class QKForwardLaunch:
         (qob, qot, qoh, _), (kob, kot, koh, _) = q_out.stride(), k_out.stride()
         (cb, ct), (sb, st) = _trig_strides(cos), _trig_strides(sin)
         tokens = q.shape[1]
-        args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, stats, q_rows, k_rows, q.shape[2], k.shape[2], tokens,
-                qb, qt, qh, kb, kt, kh, qob, qot, qoh, kob, kot, koh, cb, ct, sb, st, q_eps, k_eps)
+        stats_arg = norm_launch.stats_argument(stats, q, q.get_device(), traced_kernel is not None)
+        args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, stats_arg, q_rows, k_rows, q.shape[2], k.shape[2],
+                tokens, qb, qt, qh, kb, kt, kh, qob, qot, qoh, kob, kot, koh, cb, ct, sb, st, q_eps, k_eps,
+                self.store_stats)
         if traced_kernel is not None:
             norm_launch._launch(traced_kernel, grid, args, self.constexprs, plan.num_warps)
             return q_out, k_out, stats
@@ -177,7 +179,7 @@ class QKForwardLaunch:
         # integers that follow the token count, and the inputs' token and head strides, exact (a model repeats one
         # layout).
         by_plan = type(q_eps) is float and type(k_eps) is float and all_aligned(q, k, q_weight, k_weight, cos, sin,
-                                                                                 q_out, k_out, stats)
+                                                                                 q_out, k_out, stats_arg)
         varying = (tuple(map(int_class, (q_rows, k_rows, tokens, qb, kb, qob, kob, cb, sb))), qt, qh, kt, kh, ct, st)
         norm_launch._launch(qk_norm_rope_fwd_kernel, grid, args, self.constexprs, plan.num_warps,
                             self if by_plan else None, varying)

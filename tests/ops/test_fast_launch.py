@@ -14,7 +14,7 @@ import torch
 from hf_rmsnorm import fused_add_rms_norm, rms_norm, rms_norm_add
 from hf_rmsnorm.ops import backend, fast_launch, functional, launch
 from hf_rmsnorm.ops.fast_launch import CachedLauncher, _arg_key
-from hf_rmsnorm.ops.kernels import norm_fwd_kernel, row_count_args
+from hf_rmsnorm.ops.kernels import norm_fwd_kernel, unspecialised_args
 from harness.kernel_inspect import capture_launch
 
 HIDDEN = 64
@@ -29,7 +29,7 @@ def _jit_forward_kernel(kernel=norm_fwd_kernel):
 
     if isinstance(kernel, JITFunction):
         return kernel
-    return JITFunction(kernel.fn, do_not_specialize=row_count_args(kernel.fn))
+    return JITFunction(kernel.fn, do_not_specialize=unspecialised_args(kernel.fn))
 
 
 def _triton_binder():
@@ -110,12 +110,12 @@ def test_equal_keys_mean_equal_triton_specialisations():
     _, _, flags = capture_launch("fwd+res", torch.bfloat16, 4096, 1, "llama", sm_count=132)
     flags = {name: value for name, value in flags.items() if name != "num_warps"}
     seen: dict[tuple, object] = {}
-    for offset, dtype, n_rows, stride, eps in itertools.product(
+    for offset, dtype, n_rows, stride, eps, store_stats in itertools.product(
         (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16, 2**63 + 16), (4096, 4104),
-        (1e-6, 1e-5)
+        (1e-6, 1e-5), (False, True)
     ):
         x = base[offset:offset + 4096].view(dtype)
-        args = (x, x, x, None, x, x, x.float(), n_rows, 4096, stride, stride, 4096, 4096, eps)
+        args = (x, x, x, None, x, x, x.float(), n_rows, 4096, stride, stride, 4096, 4096, eps, store_stats)
         key = tuple(map(_arg_key, args))
         _, specialization, _ = binder(*args, **flags)
         spec = repr(specialization)
@@ -123,19 +123,21 @@ def test_equal_keys_mean_equal_triton_specialisations():
     assert len(set(seen.values())) > 1  # the launches really did specialise differently
 
 
-def test_the_row_count_specialises_nothing_but_its_integer_width():
+def test_the_row_count_and_the_stats_flag_specialise_nothing_but_the_integer_width():
     """Batch invariance: launches of 1, 2, 16, 17 and 4095 rows bind to one specialisation (Triton would make a
     row count of 1 a constant and note one divisible by 16), so every batch size runs the same compiled kernel;
-    past 2**31 rows only the integer's width changes."""
+    past 2**31 rows only the integer's width changes. Storing the statistics or not binds the same one too
+    (kernels.RUNTIME_FLAG_ARGS)."""
     binder = _triton_binder()
     x = torch.empty(4096, dtype=torch.bfloat16)
     _, _, flags = capture_launch("fwd+res", torch.bfloat16, 4096, 1, "llama", sm_count=132)
     flags = {name: value for name, value in flags.items() if name != "num_warps"}
 
-    def specialisation(n_rows: int) -> str:
-        return repr(binder(x, x, x, None, x, x, x.float(), n_rows, 4096, 4096, 4096, 4096, 4096, 1e-6, **flags)[1])
+    def specialisation(n_rows: int, store_stats: bool = True) -> str:
+        return repr(binder(x, x, x, None, x, x, x.float(), n_rows, 4096, 4096, 4096, 4096, 4096, 1e-6, store_stats,
+                           **flags)[1])
 
-    assert len({specialisation(n_rows) for n_rows in (1, 2, 16, 17, 4095)}) == 1
+    assert len({specialisation(n_rows, store) for n_rows in (1, 2, 16, 17, 4095) for store in (False, True)}) == 1
     assert specialisation(2**31 + 1) != specialisation(1)
 
 

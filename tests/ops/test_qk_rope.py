@@ -22,7 +22,7 @@ from harness import byte_traffic, kernel_inspect
 from hf_rmsnorm import qk_norm_rope
 from hf_rmsnorm.ops import library, qk_launch, reference
 from hf_rmsnorm.ops.backend import kernels_interpreted
-from hf_rmsnorm.ops.kernels import row_count_args
+from hf_rmsnorm.ops.kernels import unspecialised_args
 from hf_rmsnorm.tools.norm_outputs import ulp_distance
 
 pytestmark = pytest.mark.skipif(
@@ -532,7 +532,7 @@ def test_the_launch_constants_do_not_depend_on_the_token_count(variant):
                                                        rows, "llama")
                 for rows in (1, 2, 16, 17, 4095)}
     assert len({repr((kernel, kwargs)) for kernel, _, kwargs in launches.values()}) == 1
-    assert {"q_rows", "k_rows", "tokens"} <= set(row_count_args(launches[1][0].fn))
+    assert {"q_rows", "k_rows", "tokens"} <= set(unspecialised_args(launches[1][0].fn))
 
 
 @pytest.mark.skipif(kernel_inspect.unavailable_reason() is not None, reason=str(kernel_inspect.unavailable_reason()))
@@ -566,7 +566,7 @@ def test_equal_launch_keys_mean_equal_triton_specialisations(monkeypatch):
 
     if not backend.triton_at_least(3, 5):
         pytest.skip("before Triton 3.5 the binder differs and the cached launch path is off")
-    kernel = JITFunction(qk_norm_rope_fwd_kernel.fn, do_not_specialize=row_count_args(qk_norm_rope_fwd_kernel.fn))
+    kernel = JITFunction(qk_norm_rope_fwd_kernel.fn, do_not_specialize=unspecialised_args(qk_norm_rope_fwd_kernel.fn))
     binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
     launches = []
     monkeypatch.setattr(launch, "_launch", lambda *args: launches.append(args))
