@@ -112,7 +112,7 @@ def test_equal_keys_mean_equal_triton_specialisations():
     seen: dict[tuple, object] = {}
     for offset, dtype, n_rows, stride, eps, store_stats in itertools.product(
         (0, 1, 8, 16), (torch.bfloat16, torch.float16), (1, 2, 16, 17, 2**31 + 16, 2**63 + 16), (4096, 4104),
-        (1e-6, 1e-5), (False, True)
+        (1e-6, 1e-5), (0, 1)
     ):
         x = base[offset:offset + 4096].view(dtype)
         args = (x, x, x, None, x, x, x.float(), n_rows, 4096, stride, stride, 4096, 4096, eps, store_stats)
@@ -133,11 +133,11 @@ def test_the_row_count_and_the_stats_flag_specialise_nothing_but_the_integer_wid
     _, _, flags = capture_launch("fwd+res", torch.bfloat16, 4096, 1, "llama", sm_count=132)
     flags = {name: value for name, value in flags.items() if name != "num_warps"}
 
-    def specialisation(n_rows: int, store_stats: bool = True) -> str:
+    def specialisation(n_rows: int, store_stats: int = 1) -> str:
         return repr(binder(x, x, x, None, x, x, x.float(), n_rows, 4096, 4096, 4096, 4096, 4096, 1e-6, store_stats,
                            **flags)[1])
 
-    assert len({specialisation(n_rows, store) for n_rows in (1, 2, 16, 17, 4095) for store in (False, True)}) == 1
+    assert len({specialisation(n_rows, store) for n_rows in (1, 2, 16, 17, 4095) for store in (0, 1)}) == 1
     assert specialisation(2**31 + 1) != specialisation(1)
 
 
