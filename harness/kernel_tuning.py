@@ -4,9 +4,9 @@
 What is swept: for each kernel (``backward``, ``forward``), activation dtype (bf16, fp32) and width bucket, the
 constants of ``launch.py``'s plan that the table may override (``tuning.TUNABLE``), one at a time around the
 best so far, starting from the default plan (coordinate descent: a full cross product would compile a hundred
-variants per bucket), then each constant changed alone from the default plan: block rows halved and doubled, warps halved and doubled, pipeline stages 1 to
-``BWD_MAX_STAGES`` (the single-tile backward, whose widest tiles read their row again whatever the stages: the
-looped kernel has no pipelined loop) and programs per SM 1 to
+variants per bucket), then each constant changed alone from the default plan: block rows halved and doubled, warps
+halved and doubled, pipeline stages 1 to ``BWD_MAX_STAGES`` (the single-tile backward, whose widest tiles read their
+row again whatever the stages: the looped kernel has no pipelined loop) and programs per SM 1 to
 ``BWD_MAX_PROGRAMS_PER_SM`` (no recompile: only the grid changes). The buckets are every power of two the plan
 distinguishes from ``MIN_SWEPT_WIDTH`` up to the first looped one (``plan_widths``), widest first: wider rows move
 the most bytes per row, and the looped kernels are where the defaults are furthest from copy bandwidth.

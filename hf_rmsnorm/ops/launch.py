@@ -268,8 +268,9 @@ def _stats_left_alone(device_index: int) -> torch.Tensor:
 
 
 def stats_flag(store_stats: bool) -> int:
-    """The kernels' ``store_stats`` argument: an int, which every Triton release and its interpreter take as a
-    32-bit integer (Triton 3.6's interpreter cannot pass a bool: it types it int1 and fails on numpy's 32 bits)."""
+    """The kernels' ``store_stats`` argument, which the launch objects keep (and test) as it is passed: an int,
+    which every Triton release and its interpreter take as a 32-bit integer (Triton 3.6's interpreter cannot pass a
+    bool: it types it int1 and fails on numpy's 32 bits)."""
     return int(store_stats)
 
 
@@ -292,7 +293,7 @@ class ForwardLaunch:
     ``num_warps``."""
 
     __slots__ = ("mode", "y_dtype", "norm_dtype", "n_cols", "tiling", "num_warps", "single_tile_rows", "constexprs",
-                 "store_stats", "stats_flag", "y_like_x", "sum_like_x")
+                 "store_stats", "y_like_x", "sum_like_x")
 
     def __init__(self, x_dtype: torch.dtype, residual_dtype: torch.dtype | None, weight_dtype: torch.dtype | None,
                  bias_dtype: torch.dtype | None, n_cols: int, mode: str, add_after: bool, store_stats: bool,
@@ -311,8 +312,7 @@ class ForwardLaunch:
                                HAS_BIAS=bias_dtype is not None, **m.forward_kernel_flags,
                                BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n, SINGLE_TILE=tiling.single_tile,
                                ADD_AFTER=add_after, NUM_STAGES=tiling.num_stages)
-        self.store_stats = store_stats
-        self.stats_flag = stats_flag(store_stats)
+        self.store_stats = stats_flag(store_stats)
         # Whether an output of a contiguous x can be allocated like x (``_new_rows``), decided once here.
         self.y_like_x = self.y_dtype == x_dtype
         self.sum_like_x = self.norm_dtype == x_dtype
@@ -354,7 +354,7 @@ class ForwardLaunch:
         stats_arg = stats_argument(stats, x, device, traced_kernel is not None)
         # Outputs are fresh and contiguous: their row stride is n_cols.
         args = (x2, r2, weight, bias, y, new_residual, stats_arg, n_rows, n_cols, stride_x, stride_r, n_cols, n_cols,
-                eps, self.stats_flag)
+                eps, self.store_stats)
         if traced_kernel is not None:
             _launch(traced_kernel, grid, args, self.constexprs, self.num_warps)
             return y, new_residual, stats
@@ -413,7 +413,7 @@ class SandwichLaunch:
     identity keys its launches in the launcher's cache, as ``ForwardLaunch``'s does: it fixes every dtype, which
     pointers are None, the width, the constexprs and ``num_warps``."""
 
-    __slots__ = ("mode", "total_dtype", "y_dtype", "n_cols", "tiling", "constexprs", "store_stats", "stats_flag")
+    __slots__ = ("mode", "total_dtype", "y_dtype", "n_cols", "tiling", "constexprs", "store_stats")
 
     def __init__(self, residual_dtype: torch.dtype, weight2_dtype: torch.dtype | None,
                  bias2_dtype: torch.dtype | None, constexprs: dict, n_cols: int, mode: str, store_stats: bool,
@@ -422,8 +422,7 @@ class SandwichLaunch:
         self.mode = m
         self.total_dtype = residual_dtype  # the first norm's output dtype, which the caller checked is this
         self.y_dtype = m.output_dtype_of(residual_dtype, weight2_dtype, bias2_dtype)
-        self.n_cols, self.tiling, self.store_stats = n_cols, tiling, store_stats
-        self.stats_flag = stats_flag(store_stats)
+        self.n_cols, self.tiling, self.store_stats = n_cols, tiling, stats_flag(store_stats)
         self.constexprs = dict(constexprs, **m.forward_kernel_flags, BLOCK_M=tiling.block_m, BLOCK_N=tiling.block_n)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
@@ -446,7 +445,7 @@ class SandwichLaunch:
         device, traced = x.get_device(), traced_kernel is not None
         stats_arg, stats2_arg = (stats_argument(t, x, device, traced) for t in (stats, stats2))
         args = (x2, r2, weight, bias, total, stats_arg, weight2, bias2, y, stats2_arg, n_rows, n_cols, stride_x,
-                stride_r, eps, eps2, self.stats_flag)
+                stride_r, eps, eps2, self.store_stats)
         grid = cdiv(n_rows, self.tiling.block_m)
         if traced_kernel is not None:
             _launch(traced_kernel, grid, args, self.constexprs, self.tiling.num_warps)

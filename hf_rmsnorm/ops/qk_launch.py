@@ -124,7 +124,7 @@ class QKForwardLaunch:
     key by plan): it fixes every tensor's dtype (``sin``'s is ``cos``'s: ``checks.check_qk_norm_rope``), which
     pointers are None, the constexprs and ``num_warps``."""
 
-    __slots__ = ("q_out_dtype", "k_out_dtype", "plan", "constexprs", "store_stats", "stats_flag")
+    __slots__ = ("q_out_dtype", "k_out_dtype", "plan", "constexprs", "store_stats")
 
     def __init__(self, q_dtype: torch.dtype, k_dtype: torch.dtype, q_weight_dtype: torch.dtype | None,
                  k_weight_dtype: torch.dtype | None, cos_dtype: torch.dtype, head_dim: int, rotary_dim: int,
@@ -135,8 +135,7 @@ class QKForwardLaunch:
         self.q_out_dtype = qk_output_dtype(q_norm_dtype, cos_dtype)
         self.k_out_dtype = qk_output_dtype(k_norm_dtype, cos_dtype)
         self.plan = qk_plan(head_dim, rotary_dim, 1 if per_head else q_heads, 1 if per_head else k_heads)
-        self.store_stats = store_stats
-        self.stats_flag = norm_launch.stats_flag(store_stats)
+        self.store_stats = norm_launch.stats_flag(store_stats)
         self.constexprs = dict(
             HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,
             HAS_Q_WEIGHT=q_weight_dtype is not None, HAS_K_WEIGHT=k_weight_dtype is not None,
@@ -170,7 +169,7 @@ class QKForwardLaunch:
         stats_arg = norm_launch.stats_argument(stats, q, q.get_device(), traced_kernel is not None)
         args = (q, k, q_weight, k_weight, cos, sin, q_out, k_out, stats_arg, q_rows, k_rows, q.shape[2], k.shape[2],
                 tokens, qb, qt, qh, kb, kt, kh, qob, qot, qoh, kob, kot, koh, cb, ct, sb, st, q_eps, k_eps,
-                self.stats_flag)
+                self.store_stats)
         if traced_kernel is not None:
             norm_launch._launch(traced_kernel, grid, args, self.constexprs, plan.num_warps)
             return q_out, k_out, stats
