@@ -16,7 +16,8 @@ Triton chooses between compiling and interpreting when a kernel is *defined*, fr
 The interpreter converts fp32 to bf16 by truncation, where GPUs and PyTorch round to nearest even, so every bf16
 output would be up to an ulp further from the truth than on a GPU and bitwise comparisons with Hugging Face's
 eager modules would mean nothing. The interpreter is therefore made to round as a GPU does whenever the kernels
-are defined for it, whether ``configure("cpu")`` or the user's own ``TRITON_INTERPRET=1`` chose it.
+are defined for it, whether ``configure("cpu")`` or the user's own ``TRITON_INTERPRET=1`` chose it. Its set-up of
+every launch is made cheaper at the same time, with the same effect (``memoise_language_patching``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def configure(device: str | torch.device) -> None:
         )
     if interpret:
         os.environ[INTERPRETER_ENV] = "1"
-        _round_as_gpus_do()
+        _set_up_interpreter()
     else:
         os.environ.pop(INTERPRETER_ENV, None)
 
@@ -66,7 +67,7 @@ def kernels_interpreted() -> bool:
 
     interpreted = isinstance(norm_fwd_kernel, InterpretedFunction)
     if interpreted:
-        _round_as_gpus_do()
+        _set_up_interpreter()
     return interpreted
 
 
@@ -75,12 +76,13 @@ def installed_interpreter_problem() -> str | None:
     return interpreter_problem(_version(triton_version()), _version(np.__version__))
 
 
-def _round_as_gpus_do() -> None:
+def _set_up_interpreter() -> None:
     problem = installed_interpreter_problem()
     if problem:
         raise RuntimeError(problem)
     if not round_bf16_to_nearest_even():
         raise RuntimeError("this Triton version's interpreter cannot be made to round bf16 to nearest even")
+    memoise_language_patching()
 
 
 def triton_version() -> str:
@@ -170,4 +172,54 @@ def round_bf16_to_nearest_even() -> bool:
 
     cast_impl.rounds_bf16_to_nearest_even = True
     builder.cast_impl = cast_impl
+    return True
+
+
+def memoise_language_patching() -> bool:
+    """Makes the interpreter's set-up of each kernel launch and each call of a ``@triton.jit`` helper cheaper,
+    with the same effect. Idempotent.
+
+    Before running Python code as a kernel, the interpreter replaces every builtin of ``triton.language`` (and of
+    ``tl.core``, ``tl.math``, the tensor classes) with a version that computes in numpy: its ``_patch_builtin(pkg,
+    ...)`` lists all of ``pkg``'s members with ``inspect.getmembers`` and patches those that are builtins. It does
+    this at every launch and again at every helper call inside a kernel (about 150 times per launch of the norms'
+    kernels), and the listing is about a quarter of the interpreter's time on the small launches of the tests and
+    the CPU runs. Which members are builtins never changes, so the replacement lists them once per ``pkg`` (the
+    first time, at the start of a launch, when nothing is patched) and then, as the original does, patches those
+    that are builtins still (none while a launch has them patched already): the same members, the same order
+    (``inspect.getmembers`` sorts by name), the same ``_patch_attr`` calls.
+
+    The replacement keeps Triton's function as its ``original``. Returns False (and changes nothing) unless the
+    installed Triton's ``_patch_builtin`` is that function: taking
+    ``(pkg, builder)`` or ``(pkg, builder, scope)`` and patching with ``_patch_attr`` what ``is_builtin`` accepts
+    among ``inspect.getmembers(pkg)``.
+    """
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_builtin", None)
+    code = getattr(original, "__code__", None)
+    if getattr(original, "memoises_members", False):
+        return True
+    if code is None or code.co_varnames[:2] != ("pkg", "builder") or code.co_argcount not in (2, 3) or not {
+        "getmembers", "is_builtin", "_patch_attr"
+    } <= set(code.co_names):
+        return False
+    member_names: dict[object, tuple[str, ...]] = {}
+
+    def _patch_builtin(pkg, builder, *scope):
+        names = member_names.get(pkg)
+        if names is None:
+            names = member_names[pkg] = tuple(name for name, _ in inspect.getmembers(pkg))
+        is_builtin, patch_attr = tl.core.is_builtin, interpreter._patch_attr
+        for name in names:
+            member = getattr(pkg, name, None)  # None: gone since (an attribute a launch added), no builtin
+            if is_builtin(member):
+                patch_attr(pkg, name, member, builder, *scope)
+
+    _patch_builtin.memoises_members = True
+    _patch_builtin.original = original
+    interpreter._patch_builtin = _patch_builtin
     return True

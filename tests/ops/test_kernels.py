@@ -845,6 +845,38 @@ def test_strided_and_expanded_weights_are_read_as_their_values():
         assert torch.equal(rms_norm(x, weight, 1e-6, bias=bias, mode="fp32_affine"), expected)
 
 
+@pytest.mark.skipif(not kernels_interpreted(), reason="sets up Triton's interpreter, which a GPU host does not run")
+def test_the_interpreters_language_patching_is_memoised_with_the_same_effect(monkeypatch):
+    """``backend.memoise_language_patching``, installed with the interpreter: on every package the interpreter
+    patches, before a launch and in the middle of one (some builtins patched already), the memoised function patches
+    exactly what Triton's own does, in the same order."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    memoised = interpreter._patch_builtin
+    assert getattr(memoised, "memoises_members", False) and backend.memoise_language_patching()
+    packages = [tl, tl.core, tl.tensor, tl.math, getattr(tl.core, "tensor_descriptor_base", tl.tensor)]
+
+    def patched_by(patch_builtin) -> list[tuple]:
+        calls = []
+        monkeypatch.setattr(interpreter, "_patch_attr", lambda pkg, name, member, *rest: calls.append(
+            (pkg, name, member, rest)))
+        for pkg in packages:
+            patch_builtin(pkg, "builder", *(("scope",) if memoised.original.__code__.co_argcount == 3 else ()))
+        return calls
+
+    # Between launches nothing is patched, where each launch restores what it patched (Triton >= 3.3); before
+    # that, the first launch patched everything for good, and both functions patch nothing from then on.
+    between_launches = patched_by(memoised.original)
+    assert patched_by(memoised) == between_launches
+    assert len(between_launches) > 100 or not hasattr(interpreter, "_LangPatchScope")
+    # Part-way through a launch: builtins already patched (a lambda, as Triton's _patch_attr installs) are left.
+    for pkg, name, *_ in between_launches[::20]:
+        monkeypatch.setattr(pkg, name, lambda *args, **kwargs: None)
+    part_way = patched_by(memoised.original)
+    assert patched_by(memoised) == part_way and len(part_way) == len(between_launches) - len(between_launches[::20])
+
+
 def test_the_interpreter_rounds_like_a_gpu_without_configure(tmp_path):
     # A user who sets TRITON_INTERPRET=1 alone (no backend.configure) gets GPU rounding of bf16 all the same.
     problem = backend.installed_interpreter_problem()
