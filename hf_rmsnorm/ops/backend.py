@@ -183,16 +183,14 @@ def memoise_language_patching() -> bool:
     ``tl.core``, ``tl.math``, the tensor classes) with a version that computes in numpy: its ``_patch_builtin(pkg,
     ...)`` lists all of ``pkg``'s members with ``inspect.getmembers`` and patches those that are builtins. It does
     this at every launch and again at every helper call inside a kernel (about 150 times per launch of the norms'
-    kernels), and the listing is about a quarter of the interpreter's time on the small launches of the tests and
-    the CPU runs. Which members are builtins never changes, so the replacement lists them once per ``pkg`` (the
-    first time, at the start of a launch, when nothing is patched) and then, as the original does, patches those
-    that are builtins still (none while a launch has them patched already): the same members, the same order
-    (``inspect.getmembers`` sorts by name), the same ``_patch_attr`` calls.
+    kernels): about a quarter of the interpreter's time on the small launches of the tests and the CPU runs, more
+    than half of it the listing. The names of a package's members do not change (a launch replaces members, and removes only what
+    it added), so the replacement lists them once per package and then, at every call, patches as the original
+    does the members whose current value is a builtin: the same members, in the same order (``getmembers`` sorts
+    by name), through the same ``_patch_attr`` calls. It keeps Triton's function as its ``original``.
 
-    The replacement keeps Triton's function as its ``original``. Returns False (and changes nothing) unless the
-    installed Triton's ``_patch_builtin`` is that function: taking
-    ``(pkg, builder)`` or ``(pkg, builder, scope)`` and patching with ``_patch_attr`` what ``is_builtin`` accepts
-    among ``inspect.getmembers(pkg)``.
+    Returns False (and changes nothing) unless the installed Triton's ``_patch_builtin`` is that function: taking
+    ``(pkg, builder)`` or ``(pkg, builder, scope)``, and naming ``getmembers``, ``is_builtin`` and ``_patch_attr``.
     """
     import inspect
 
