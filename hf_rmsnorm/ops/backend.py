@@ -184,10 +184,11 @@ def memoise_language_patching() -> bool:
     ...)`` lists all of ``pkg``'s members with ``inspect.getmembers`` and patches those that are builtins. It does
     this at every launch and again at every helper call inside a kernel (about 150 times per launch of the norms'
     kernels): about a quarter of the interpreter's time on the small launches of the tests and the CPU runs, more
-    than half of it the listing. The names of a package's members do not change (a launch replaces members, and removes only what
-    it added), so the replacement lists them once per package and then, at every call, patches as the original
-    does the members whose current value is a builtin: the same members, in the same order (``getmembers`` sorts
-    by name), through the same ``_patch_attr`` calls. It keeps Triton's function as its ``original``.
+    than half of it the listing. The names of a package's members do not change (a launch replaces members, and
+    removes only what it added), so the replacement lists them once per package and then, at every call, patches
+    as the original does the members whose current value is a builtin: the same members, in the same order
+    (``getmembers`` sorts by name), through the same ``_patch_attr`` calls. It keeps Triton's function as its
+    ``original``.
 
     Returns False (and changes nothing) unless the installed Triton's ``_patch_builtin`` is that function: taking
     ``(pkg, builder)`` or ``(pkg, builder, scope)``, and naming ``getmembers``, ``is_builtin`` and ``_patch_attr``.
@@ -198,9 +199,9 @@ def memoise_language_patching() -> bool:
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_builtin", None)
-    code = getattr(original, "__code__", None)
     if getattr(original, "memoises_members", False):
         return True
+    code = getattr(original, "__code__", None)
     if code is None or code.co_varnames[:2] != ("pkg", "builder") or code.co_argcount not in (2, 3) or not {
         "getmembers", "is_builtin", "_patch_attr"
     } <= set(code.co_names):

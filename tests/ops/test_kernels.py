@@ -865,8 +865,9 @@ def test_the_interpreters_language_patching_is_memoised_with_the_same_effect(mon
             patch_builtin(pkg, "builder", *(("scope",) if memoised.original.__code__.co_argcount == 3 else ()))
         return calls
 
-    # Between launches nothing is patched, where each launch restores what it patched (Triton >= 3.3); before
-    # that, the first launch patched everything for good, and both functions patch nothing from then on.
+    # Between launches most builtins are unpatched where each launch restores what its own set-up patched (Triton
+    # >= 3.3; what its helper calls patched stays); before that, the first launch patched everything for good, and
+    # both functions patch nothing from then on.
     between_launches = patched_by(memoised.original)
     assert patched_by(memoised) == between_launches
     assert len(between_launches) > 100 or not hasattr(interpreter, "_LangPatchScope")
