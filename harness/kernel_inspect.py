@@ -50,9 +50,11 @@ SM_COUNTS = {"sm_80": 108, "sm_90": 132}
 # then column_bwd_kernel), not launched for narrower rows.
 # The fused q/k norms + RoPE (qk_kernels.py), "qk" variants: per-head norms over heads of ``hidden`` (head_dim =
 # hidden) with Qwen3-8B's QK_Q_HEADS query and QK_K_HEADS key heads; "qk-whole" variants: norms over the whole
-# projection (OLMo 2's), hidden // QK_HEAD_DIM heads of QK_HEAD_DIM for both q and k; "rows" counts tokens. Widths
-# these kernels do not take (odd head dims, rows wider than their tile) make no launch.
-QK_VARIANTS = ("qk-fwd", "qk-infer", "qk-bwd", "qk-whole-fwd", "qk-whole-bwd")
+# projection (OLMo 2's), hidden // QK_HEAD_DIM heads of QK_HEAD_DIM for both q and k; "qk-rope-first" variants:
+# per-head norms of the rotated heads (qk_rope_norm: NanoChat's and HunYuan's order, NanoChat's opposite angle);
+# "rows" counts tokens. Widths these kernels do not take (odd head dims, rows wider than their tile) make no launch.
+QK_VARIANTS = ("qk-fwd", "qk-infer", "qk-bwd", "qk-whole-fwd", "qk-whole-bwd", "qk-rope-first-fwd",
+               "qk-rope-first-bwd")
 QK_Q_HEADS, QK_K_HEADS, QK_HEAD_DIM = 32, 8, 128
 # "sandwich" variants: a sandwich norm's norm, add and next norm in one launch (norm_add_norm_fwd_kernel), with the
 # statistics or without ("sandwich-infer"); rows wider than one tile make no such launch (the "fwd" variants' two).
@@ -252,18 +254,19 @@ def capture_qk_launch(variant: str, dtype: Any, hidden: int, rows: int, mode: st
     q_weight = torch.empty(head_dim if per_head else q_heads * head_dim, dtype=dtype, device="meta")
     k_weight = torch.empty(head_dim if per_head else k_heads * head_dim, dtype=dtype, device="meta")
     cos = torch.empty(1, rows, head_dim, dtype=dtype, device="meta")
+    rope_first = variant.startswith("qk-rope-first")
     try:
-        checks.check_qk_norm_rope(q, k, q_weight, k_weight, cos, cos, 1e-6, 1e-6, mode, per_head)
+        checks.check_qk_norm_rope(q, k, q_weight, k_weight, cos, cos, 1e-6, 1e-6, mode, per_head, rope_first)
     except ValueError:
         return None
     fwd, bwd = _LaunchRecorder(), _LaunchRecorder()
     with (mock.patch.object(qk_launch, "qk_norm_rope_fwd_kernel", fwd),
           mock.patch.object(qk_launch, "qk_norm_rope_bwd_kernel", bwd)):
         q_out, k_out, stats = qk_launch.qk_norm_rope_forward(q, k, q_weight, k_weight, cos, cos, 1e-6, 1e-6, mode,
-                                                             per_head, store_stats=variant != "qk-infer")
+                                                             per_head, variant != "qk-infer", rope_first, rope_first)
         if variant.endswith("bwd"):
             qk_launch.qk_norm_rope_backward(torch.empty_like(q_out), torch.empty_like(k_out), q, k, q_weight, k_weight,
-                                            cos, cos, stats, mode, per_head)
+                                            cos, cos, stats, mode, per_head, rope_first, rope_first)
     if variant.endswith("bwd"):
         (args, kwargs), = bwd.calls
         return qk_launch.qk_norm_rope_bwd_kernel, args, kwargs

@@ -24,6 +24,7 @@ _PUBLIC = {
     "fused_add_layer_norm": "hf_rmsnorm.ops",
     "layer_norm_add": "hf_rmsnorm.ops",
     "qk_norm_rope": "hf_rmsnorm.ops",
+    "qk_rope_norm": "hf_rmsnorm.ops",
     "patch_model": "hf_rmsnorm.patch",
     "unpatch_model": "hf_rmsnorm.patch",
     "check_model": "hf_rmsnorm.patch",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
         layer_norm,
         layer_norm_add,
         qk_norm_rope,
+        qk_rope_norm,
         rms_norm,
         rms_norm_add,
     )

@@ -4,7 +4,7 @@
 in Triton) -> ``launch`` (block sizes, allocation, launches) -> ``functional`` (custom ops, autograd and the
 public functions; ``library`` names their namespace after this package's code); ``backend`` decides which
 implementation runs, ``dtensor`` runs the public functions on the local shards of DTensor arguments. The query/key norms fused with the rotary embedding follow the same layers:
-``qk_kernels`` -> ``qk_launch`` -> ``qk`` (``qk_norm_rope``). Nothing here knows about transformers.
+``qk_kernels`` -> ``qk_launch`` -> ``qk`` (``qk_norm_rope``, ``qk_rope_norm``). Nothing here knows about transformers.
 
 Importing this package defines no Triton kernel (see ``backend``): the functional API is loaded on first use.
 """
@@ -25,12 +25,12 @@ if TYPE_CHECKING:
         rms_norm,
         rms_norm_add,
     )
-    from .qk import qk_norm_rope
+    from .qk import qk_norm_rope, qk_rope_norm
 
 # The functional API, loaded from ``functional`` on first use.
 _FUNCTIONAL = ("rms_norm", "fused_add_rms_norm", "rms_norm_add", "layer_norm", "fused_add_layer_norm", "layer_norm_add")
 # The fused q/k norms and RoPE, loaded from ``qk`` on first use.
-_QK = ("qk_norm_rope",)
+_QK = ("qk_norm_rope", "qk_rope_norm")
 
 __all__ = [*_FUNCTIONAL, *_QK, "MODES"]
 

@@ -28,7 +28,7 @@ import torch
 
 from .backend import KERNEL_DTYPES
 from .modes import MODES, get_mode
-from .qk_launch import QK_MAX_ROW_ELEMENTS, qk_row_tile, qk_stats_shape
+from .qk_launch import QK_MAX_ROW_ELEMENTS, qk_output_dtype, qk_row_tile, qk_stats_shape
 
 # The kernels load fp16, bf16 and fp32; fp64 takes the PyTorch implementation (backend.runs_kernels).
 FLOAT_DTYPES = KERNEL_DTYPES | {torch.float64}
@@ -171,8 +171,9 @@ def check_qk_norm_rope(
     k_eps: float,
     mode: str,
     per_head: bool,
+    rope_first: bool = False,
 ) -> None:
-    """Checks the arguments of ``qk_norm_rope`` and of its custom op.
+    """Checks the arguments of ``qk_norm_rope`` and of its custom op (and of ``qk_rope_norm``: ``rope_first``).
 
     Raises:
         TypeError: a tensor is not fp16, bf16, fp32 or fp64.
@@ -181,9 +182,11 @@ def check_qk_norm_rope(
             rotary_dim]``; ``sin`` not of ``cos``'s shape and dtype; ``rotary_dim`` odd or above ``head_dim``; a
             weight not 1-D of its norm's width (``head_dim``, or ``heads * head_dim`` without ``per_head``); a norm
             row wider than the kernels' tile; a tensor not on ``q``'s device; an eps negative, infinite or NaN;
-            ``mode`` unknown, centring (LayerNorm) or rounding to the weight's dtype (T5).
+            ``mode`` unknown, centring (LayerNorm) or rounding to the weight's dtype (T5); rotating first, q's
+            and k's dtypes such that the RoPE's dtype (their promotion with ``cos``'s) is not, for both, their own
+            or, for both, ``cos``'s (the kernels round the rotated rows to one of the two).
     """
-    op = _QK_OP
+    op = "qk_rope_norm" if rope_first else _QK_OP
     _check_dtypes_and_devices(op, _QK_NAMES, (q, k, q_weight, k_weight, cos, sin))
     m = MODES.get(mode)
     if m is None or m.centre or m.rounds_to_weight_dtype:
@@ -227,6 +230,12 @@ def check_qk_norm_rope(
     for name, eps in (("q_eps", q_eps), ("k_eps", k_eps)):
         if not 0.0 <= eps < math.inf:
             raise ValueError(f"{op}: {name} is {eps}; {name} must be a finite number >= 0")
+    if rope_first:
+        rope_dtypes = [qk_output_dtype(t.dtype, cos.dtype) for t in (q, k)]
+        if not (rope_dtypes == [q.dtype, k.dtype] or rope_dtypes == [cos.dtype, cos.dtype]):
+            raise ValueError(f"{op}: q is {q.dtype}, k {k.dtype} and cos {cos.dtype}: the RoPE would compute in "
+                             f"{rope_dtypes[0]} and {rope_dtypes[1]}; the kernels take q and k rotated in their own "
+                             "dtypes or both in cos's (cast cos to q's dtype, as the rotary embeddings return it)")
 
 
 def check_qk_norm_rope_backward(
@@ -241,6 +250,7 @@ def check_qk_norm_rope_backward(
     stats: torch.Tensor,
     mode: str,
     per_head: bool,
+    rope_first: bool = False,
 ) -> None:
     """Checks the arguments of the ``qk_norm_rope_bwd`` custom op: those of the forward, the output gradients of
     the inputs' shapes and the statistics of the shape the forward saves (autograd passes them so; a direct call
@@ -250,7 +260,7 @@ def check_qk_norm_rope_backward(
         TypeError, ValueError: as ``check_qk_norm_rope``; also a ValueError for a gradient or statistics of
             another shape.
     """
-    check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 0.0, 0.0, mode, per_head)
+    check_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, 0.0, 0.0, mode, per_head, rope_first)
     op = "qk_norm_rope_bwd"
     _check_dtypes_and_devices(op, ("q", "dq_out", "dk_out", "stats"), (q, dq_out, dk_out, stats))
     if dq_out.shape != q.shape:

@@ -10,6 +10,12 @@ maths in PyTorch)::
                                              the sum rounded to the output dtype as eager rounds them
     out = n                                  over the rest of each head (partial rotary)
 
+or, with ``ROPE_FIRST`` (NanoChat and HunYuan rotate their queries and keys, then normalise them), the rotation of
+``x`` rounded to the RoPE's dtype, then the norm of that. The backward of the second order computes the rotated
+rows again, runs the norm's backward on them, and applies the rotation's transpose last. ``NEGATE_SIN`` rotates by
+the opposite angle, ``x * cos - rotate_half(x) * sin`` (NanoChat's ``rotate_half`` returns ``(x2, -x1)``): ``sin``
+negated, which is exact, gives its products and sums bit for bit.
+
 ``rotate_half`` pairs column ``j`` of a head's rotary part with column ``j + ROTARY_DIM / 2``. The kernels
 therefore hold a head's rotary part as two halves, ``x1`` (columns ``[0, half)``) and ``x2`` (``[half,
 ROTARY_DIM)``), and its pass-through part ``xp`` (``[ROTARY_DIM, HEAD_DIM)``), each a ``[BLOCK_M, HEADS_BLOCK,
@@ -109,6 +115,18 @@ def _trig_tile(TRIG, b, t, stride_b, stride_t, row_mask, first, HALF: tl.constex
 
 
 @triton.jit
+def _trig_halves(TRIG, b, t, stride_b, stride_t, row_mask, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                 NEGATE: tl.constexpr):
+    """The two halves of ``cos`` or ``sin`` (``_trig_tile``), negated where ``NEGATE`` (exactly: the sign bit)."""
+    first = _trig_tile(TRIG, b, t, stride_b, stride_t, row_mask, 0, HALF, HALF_BLOCK)
+    second = _trig_tile(TRIG, b, t, stride_b, stride_t, row_mask, HALF, HALF, HALF_BLOCK)
+    if NEGATE:
+        first = -first
+        second = -second
+    return first, second
+
+
+@triton.jit
 def _weight_tile(W, heads_in_row, first, WIDTH: tl.constexpr, BLOCK: tl.constexpr, HEADS_BLOCK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr):
     """A ``[1, HEADS_BLOCK, BLOCK]`` tile of the norm's weight in fp32, the family's offset added (Gemma's
@@ -164,13 +182,15 @@ def qk_norm_rope_fwd_kernel(
     HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr, Q_NORM_ROUND: tl.constexpr, K_NORM_ROUND: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, K_BLOCK_M: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, K_HEADS_BLOCK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, ROPE_FIRST: tl.constexpr = False,
+    ROPE_IN_COS_DTYPE: tl.constexpr = False, NEGATE_SIN: tl.constexpr = False,
 ):
     """Normalises and rotates q's rows (programs ``[0, cdiv(q_rows, Q_BLOCK_M))``, ``Q_BLOCK_M`` rows each) and
     k's (the programs after). ``STATS`` (written only where ``store_stats``, a run-time flag as in
     ``kernels.norm_fwd_kernel``: the backward's input) holds the
     backward's counters, which program 0 zeroes (``modes.STATS_SYNC_SLOTS``), then ``rstd`` of q's rows, then of
-    k's. ``Q_NORM_ROUND`` / ``K_NORM_ROUND``: the code of each norm's output dtype (``ROUND_FP32``...)."""
+    k's. ``Q_NORM_ROUND`` / ``K_NORM_ROUND``: the code of each norm's output dtype (``ROUND_FP32``...).
+    ``ROPE_FIRST``: rotate first, then normalise the rotated rows. ``NEGATE_SIN``: rotate by the opposite angle."""
     # torch.compile may hand eps over as fp64; an fp64 eps would drag the rows into fp64 maths.
     q_eps = tl.cast(q_eps, tl.float32)
     k_eps = tl.cast(k_eps, tl.float32)
@@ -186,13 +206,15 @@ def qk_norm_rope_fwd_kernel(
                          stride_qb, stride_qt, stride_qh, stride_qob, stride_qot, stride_qoh,
                          stride_cb, stride_ct, stride_sb, stride_st, q_eps, runtime_one,
                          HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_Q_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         Q_NORM_ROUND, Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats)
+                         Q_NORM_ROUND, Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats, ROPE_FIRST,
+                         ROPE_IN_COS_DTYPE, NEGATE_SIN)
     else:
         _norm_rope_block(K, KW, COS, SIN, KOUT, STATS, q_rows, pid - q_blocks, k_rows, k_heads,
                          tokens, stride_kb, stride_kt, stride_kh, stride_kob, stride_kot, stride_koh,
                          stride_cb, stride_ct, stride_sb, stride_st, k_eps, runtime_one,
                          HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_K_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-                         K_NORM_ROUND, K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats)
+                         K_NORM_ROUND, K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, store_stats, ROPE_FIRST,
+                         ROPE_IN_COS_DTYPE, NEGATE_SIN)
 
 
 @triton.jit
@@ -203,13 +225,13 @@ def _norm_rope_block(
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PER_HEAD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr, NORM_ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
-    store_stats,
+    store_stats, ROPE_FIRST: tl.constexpr, ROPE_IN_COS_DTYPE: tl.constexpr, NEGATE_SIN: tl.constexpr,
 ):
     """The forward of one block of ``BLOCK_M`` rows of one tensor (``qk_norm_rope_fwd_kernel``), whose ``rstd``
-    go to the statistics from row ``first_row`` on."""
+    go to the statistics from row ``first_row`` on. ``ROPE_FIRST``: the rows are rotated (rounded as eager's RoPE
+    rounds them), then normalised, the norm reading them in the RoPE's dtype."""
     HALF: tl.constexpr = ROTARY_DIM // 2
     PASS: tl.constexpr = HEAD_DIM - ROTARY_DIM
-    X_DTYPE: tl.constexpr = X.dtype.element_ty
     OUT_DTYPE: tl.constexpr = OUT.dtype.element_ty
     rows, row_mask, b, t, head = _block_rows(block, n_rows, heads, tokens, PER_HEAD, BLOCK_M)
     heads_in_row, width = _row_geometry(heads, HEAD_DIM, PER_HEAD)
@@ -218,6 +240,21 @@ def _norm_rope_block(
                  mask=half_mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, HALF, HALF_BLOCK, HEADS_BLOCK),
                  mask=half_mask, other=0.0).to(tl.float32)
+    if ROPE_FIRST:
+        # The norm's input is the RoPE's output: the rotated halves, in the RoPE's dtype (the promotion of the
+        # input's and cos's, one of the two: ROPE_IN_COS_DTYPE names which); the pass-through part is the input
+        # itself, which that dtype holds exactly.
+        if ROPE_IN_COS_DTYPE:
+            NORM_IN_DTYPE: tl.constexpr = COS.dtype.element_ty
+        else:
+            NORM_IN_DTYPE: tl.constexpr = X.dtype.element_ty
+        cos1, cos2 = _trig_halves(COS, b, t, stride_cb, stride_ct, row_mask, HALF, HALF_BLOCK, False)
+        sin1, sin2 = _trig_halves(SIN, b, t, stride_sb, stride_st, row_mask, HALF, HALF_BLOCK, NEGATE_SIN)
+        r1 = _rotated(x1, x2, cos1, sin1, -1.0, runtime_one, NORM_IN_DTYPE).to(tl.float32)
+        x2 = _rotated(x2, x1, cos2, sin2, 1.0, runtime_one, NORM_IN_DTYPE).to(tl.float32)
+        x1 = r1
+    else:
+        NORM_IN_DTYPE: tl.constexpr = X.dtype.element_ty
     sum_squares = tl.sum(tl.sum(x1 * x1 + x2 * x2, axis=2), axis=1)
     if PASS > 0:
         pass_mask = _tile_mask(row_mask, heads_in_row, PASS, PASS_BLOCK, HEADS_BLOCK)
@@ -228,23 +265,25 @@ def _norm_rope_block(
     if store_stats:
         tl.store(STATS + SYNC_SLOTS + first_row + rows, rstd, mask=row_mask)
 
-    cos1 = _trig_tile(COS, b, t, stride_cb, stride_ct, row_mask, 0, HALF, HALF_BLOCK)
-    cos2 = _trig_tile(COS, b, t, stride_cb, stride_ct, row_mask, HALF, HALF, HALF_BLOCK)
-    sin1 = _trig_tile(SIN, b, t, stride_sb, stride_st, row_mask, 0, HALF, HALF_BLOCK)
-    sin2 = _trig_tile(SIN, b, t, stride_sb, stride_st, row_mask, HALF, HALF, HALF_BLOCK)
     w1 = _weight_tile(W, heads_in_row, 0, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
     w2 = _weight_tile(W, heads_in_row, HALF, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
-    n1 = _normed(x1, rstd, w1, X_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-    n2 = _normed(x2, rstd, w2, X_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-    # rotate_half(n) is (-n2, n1): out1 = n1 * cos1 + (-n2) * sin1, out2 = n2 * cos2 + n1 * sin2.
-    tl.store(OUT + _tile_offsets(b, t, head, stride_ob, stride_ot, stride_oh, 0, HALF_BLOCK, HEADS_BLOCK),
-             _rotated(n1, n2, cos1, sin1, -1.0, runtime_one, OUT_DTYPE), mask=half_mask)
-    tl.store(OUT + _tile_offsets(b, t, head, stride_ob, stride_ot, stride_oh, HALF, HALF_BLOCK, HEADS_BLOCK),
-             _rotated(n2, n1, cos2, sin2, 1.0, runtime_one, OUT_DTYPE), mask=half_mask)
+    n1 = _normed(x1, rstd, w1, NORM_IN_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    n2 = _normed(x2, rstd, w2, NORM_IN_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+    offsets1 = _tile_offsets(b, t, head, stride_ob, stride_ot, stride_oh, 0, HALF_BLOCK, HEADS_BLOCK)
+    offsets2 = _tile_offsets(b, t, head, stride_ob, stride_ot, stride_oh, HALF, HALF_BLOCK, HEADS_BLOCK)
+    if ROPE_FIRST:
+        tl.store(OUT + offsets1, n1.to(OUT_DTYPE), mask=half_mask)
+        tl.store(OUT + offsets2, n2.to(OUT_DTYPE), mask=half_mask)
+    else:
+        cos1, cos2 = _trig_halves(COS, b, t, stride_cb, stride_ct, row_mask, HALF, HALF_BLOCK, False)
+        sin1, sin2 = _trig_halves(SIN, b, t, stride_sb, stride_st, row_mask, HALF, HALF_BLOCK, NEGATE_SIN)
+        # rotate_half(n) is (-n2, n1): out1 = n1 * cos1 + (-n2) * sin1, out2 = n2 * cos2 + n1 * sin2.
+        tl.store(OUT + offsets1, _rotated(n1, n2, cos1, sin1, -1.0, runtime_one, OUT_DTYPE), mask=half_mask)
+        tl.store(OUT + offsets2, _rotated(n2, n1, cos2, sin2, 1.0, runtime_one, OUT_DTYPE), mask=half_mask)
     if PASS > 0:
         wp = _weight_tile(W, heads_in_row, ROTARY_DIM, PASS, PASS_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT,
                           WEIGHT_OFFSET)
-        n_pass = _normed(xp, rstd, wp, X_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        n_pass = _normed(xp, rstd, wp, NORM_IN_DTYPE, NORM_ROUND, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
         tl.store(OUT + _tile_offsets(b, t, head, stride_ob, stride_ot, stride_oh, ROTARY_DIM, PASS_BLOCK,
                                      HEADS_BLOCK), n_pass.to(OUT_DTYPE), mask=pass_mask)
 
@@ -261,7 +300,8 @@ def qk_norm_rope_bwd_kernel(
     HAS_Q_WEIGHT: tl.constexpr, HAS_K_WEIGHT: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
     Q_BLOCK_M: tl.constexpr, K_BLOCK_M: tl.constexpr, Q_HEADS_BLOCK: tl.constexpr, K_HEADS_BLOCK: tl.constexpr,
-    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr, ROPE_FIRST: tl.constexpr = False,
+    ROPE_IN_COS_DTYPE: tl.constexpr = False, NEGATE_SIN: tl.constexpr = False,
 ):
     """The backward on a persistent grid: program ``p`` of ``P`` takes q's row blocks ``p, p + P, ...``, then k's
     likewise, writes the input gradients ``DQ`` and ``DK`` and its fp32 partial sums of each weight's gradient
@@ -277,12 +317,12 @@ def qk_norm_rope_bwd_kernel(
               stride_dqob, stride_dqot, stride_dqoh, stride_qb, stride_qt, stride_qh, stride_dqb, stride_dqt,
               stride_dqh, stride_cb, stride_ct, stride_sb, stride_st,
               HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_Q_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-              Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK)
+              Q_BLOCK_M, Q_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, ROPE_FIRST, ROPE_IN_COS_DTYPE, NEGATE_SIN)
     _rows_bwd(DKOUT, K, KW, COS, SIN, STATS + SYNC_SLOTS + q_rows, DK, DKW_PARTIAL, pid, n_programs, k_rows, k_heads,
               tokens, stride_dkob, stride_dkot, stride_dkoh, stride_kb, stride_kt, stride_kh, stride_dkb, stride_dkt,
               stride_dkh, stride_cb, stride_ct, stride_sb, stride_st,
               HEAD_DIM, ROTARY_DIM, PER_HEAD, HAS_K_WEIGHT, CAST_BEFORE_WEIGHT, WEIGHT_OFFSET,
-              K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK)
+              K_BLOCK_M, K_HEADS_BLOCK, HALF_BLOCK, PASS_BLOCK, ROPE_FIRST, ROPE_IN_COS_DTYPE, NEGATE_SIN)
     _, q_width = _row_geometry(q_heads, HEAD_DIM, PER_HEAD)
     _, k_width = _row_geometry(k_heads, HEAD_DIM, PER_HEAD)
     sum_partials_once_written(counters, DQW_PARTIAL, DKW_PARTIAL, DQW, DKW, n_programs, q_width, k_width,
@@ -297,12 +337,18 @@ def _rows_bwd(
     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, PER_HEAD: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     CAST_BEFORE_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     BLOCK_M: tl.constexpr, HEADS_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, PASS_BLOCK: tl.constexpr,
+    ROPE_FIRST: tl.constexpr, ROPE_IN_COS_DTYPE: tl.constexpr, NEGATE_SIN: tl.constexpr,
 ):
     """One tensor's share of program ``pid``'s backward (``qk_norm_rope_bwd_kernel``): its row blocks ``pid,
     pid + n_programs, ...``, then its partial weight-gradient row. The weight is loaded once, outside the loop; the
-    weight gradient accumulates over the rows in fp32 tiles, folded once at the end."""
+    weight gradient accumulates over the rows in fp32 tiles, folded once at the end. ``ROPE_FIRST``: the norm's
+    input, the rotated rows, is computed again as the forward computed it, and the rotation's transpose comes last."""
     HALF: tl.constexpr = ROTARY_DIM // 2
     PASS: tl.constexpr = HEAD_DIM - ROTARY_DIM
+    if ROPE_FIRST and ROPE_IN_COS_DTYPE:
+        NORM_IN_DTYPE: tl.constexpr = COS.dtype.element_ty
+    else:
+        NORM_IN_DTYPE: tl.constexpr = X.dtype.element_ty
     heads_in_row, width = _row_geometry(heads, HEAD_DIM, PER_HEAD)
     w1 = _weight_tile(W, heads_in_row, 0, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
     w2 = _weight_tile(W, heads_in_row, HALF, HALF, HALF_BLOCK, HEADS_BLOCK, HEAD_DIM, HAS_WEIGHT, WEIGHT_OFFSET)
@@ -315,24 +361,35 @@ def _rows_bwd(
         rows, row_mask, b, t, head = _block_rows(block, n_rows, heads, tokens, PER_HEAD, BLOCK_M)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         half_mask = _tile_mask(row_mask, heads_in_row, HALF, HALF_BLOCK, HEADS_BLOCK)
-        # The gradient at the norm's output, through the rotation: out1 = n1 * cos1 - n2 * sin1 and
-        # out2 = n2 * cos2 + n1 * sin2 give dn1 = dy1 * cos1 + dy2 * sin2 and dn2 = dy2 * cos2 - dy1 * sin1.
+        # The rotation out1 = n1 * cos1 - n2 * sin1, out2 = n2 * cos2 + n1 * sin2 has the transpose
+        # (d1, d2) -> (d1 * cos1 + d2 * sin2, d2 * cos2 - d1 * sin1): applied to the output's gradient (the norm's
+        # output is rotated), or last, to the norm's input gradient (ROPE_FIRST: the rotated rows are normalised).
         dy1 = tl.load(DOUT + _tile_offsets(b, t, head, stride_dob, stride_dot, stride_doh, 0, HALF_BLOCK,
                                            HEADS_BLOCK), mask=half_mask, other=0.0).to(tl.float32)
         dy2 = tl.load(DOUT + _tile_offsets(b, t, head, stride_dob, stride_dot, stride_doh, HALF, HALF_BLOCK,
                                            HEADS_BLOCK), mask=half_mask, other=0.0).to(tl.float32)
-        cos1 = _trig_tile(COS, b, t, stride_cb, stride_ct, row_mask, 0, HALF, HALF_BLOCK)
-        cos2 = _trig_tile(COS, b, t, stride_cb, stride_ct, row_mask, HALF, HALF, HALF_BLOCK)
-        sin1 = _trig_tile(SIN, b, t, stride_sb, stride_st, row_mask, 0, HALF, HALF_BLOCK)
-        sin2 = _trig_tile(SIN, b, t, stride_sb, stride_st, row_mask, HALF, HALF, HALF_BLOCK)
-        dn1 = dy1 * cos1 + dy2 * sin2
-        dn2 = dy2 * cos2 - dy1 * sin1
-        n1 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, 0, HALF_BLOCK, HEADS_BLOCK),
-                     mask=half_mask, other=0.0).to(tl.float32) * rstd[:, None, None]
-        n2 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, HALF, HALF_BLOCK, HEADS_BLOCK),
-                     mask=half_mask, other=0.0).to(tl.float32) * rstd[:, None, None]
-        g1, dw_1 = _norm_grads(dn1, n1, w1, X.dtype.element_ty, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
-        g2, dw_2 = _norm_grads(dn2, n2, w2, X.dtype.element_ty, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        cos1, cos2 = _trig_halves(COS, b, t, stride_cb, stride_ct, row_mask, HALF, HALF_BLOCK, False)
+        sin1, sin2 = _trig_halves(SIN, b, t, stride_sb, stride_st, row_mask, HALF, HALF_BLOCK, NEGATE_SIN)
+        x1 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, 0, HALF_BLOCK, HEADS_BLOCK),
+                     mask=half_mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, HALF, HALF_BLOCK, HEADS_BLOCK),
+                     mask=half_mask, other=0.0).to(tl.float32)
+        if ROPE_FIRST:
+            # An opaque 1.0 (see _rotated): rstd is loaded, so no compiler folds this (a row whose rstd is not
+            # finite has NaN outputs and gradients whatever this is).
+            runtime_one = rstd * 0.0 + 1.0
+            r1 = _rotated(x1, x2, cos1, sin1, -1.0, runtime_one[:, None, None], NORM_IN_DTYPE).to(tl.float32)
+            x2 = _rotated(x2, x1, cos2, sin2, 1.0, runtime_one[:, None, None], NORM_IN_DTYPE).to(tl.float32)
+            x1 = r1
+            dn1 = dy1
+            dn2 = dy2
+        else:
+            dn1 = dy1 * cos1 + dy2 * sin2
+            dn2 = dy2 * cos2 - dy1 * sin1
+        n1 = x1 * rstd[:, None, None]
+        n2 = x2 * rstd[:, None, None]
+        g1, dw_1 = _norm_grads(dn1, n1, w1, NORM_IN_DTYPE, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+        g2, dw_2 = _norm_grads(dn2, n2, w2, NORM_IN_DTYPE, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
         dw1 += dw_1
         dw2 += dw_2
         dot = tl.sum(tl.sum(g1 * n1 + g2 * n2, axis=2), axis=1)
@@ -343,15 +400,21 @@ def _rows_bwd(
             n_pass = tl.load(X + _tile_offsets(b, t, head, stride_b, stride_t, stride_h, ROTARY_DIM, PASS_BLOCK,
                                                HEADS_BLOCK), mask=pass_mask, other=0.0).to(tl.float32)
             n_pass = n_pass * rstd[:, None, None]
-            gp, dw_p = _norm_grads(dnp, n_pass, wp, X.dtype.element_ty, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
+            gp, dw_p = _norm_grads(dnp, n_pass, wp, NORM_IN_DTYPE, HAS_WEIGHT, CAST_BEFORE_WEIGHT)
             dwp += dw_p
             dot += tl.sum(tl.sum(gp * n_pass, axis=2), axis=1)
         c = (dot / width)[:, None, None]
         r = rstd[:, None, None]
+        dx1 = (g1 - n1 * c) * r
+        dx2 = (g2 - n2 * c) * r
+        if ROPE_FIRST:
+            d1 = dx1
+            dx1 = d1 * cos1 + dx2 * sin2
+            dx2 = dx2 * cos2 - d1 * sin1
         tl.store(DX + _tile_offsets(b, t, head, stride_dxb, stride_dxt, stride_dxh, 0, HALF_BLOCK, HEADS_BLOCK),
-                 ((g1 - n1 * c) * r).to(DX.dtype.element_ty), mask=half_mask)
+                 dx1.to(DX.dtype.element_ty), mask=half_mask)
         tl.store(DX + _tile_offsets(b, t, head, stride_dxb, stride_dxt, stride_dxh, HALF, HALF_BLOCK, HEADS_BLOCK),
-                 ((g2 - n2 * c) * r).to(DX.dtype.element_ty), mask=half_mask)
+                 dx2.to(DX.dtype.element_ty), mask=half_mask)
         if PASS > 0:
             tl.store(DX + _tile_offsets(b, t, head, stride_dxb, stride_dxt, stride_dxh, ROTARY_DIM, PASS_BLOCK,
                                         HEADS_BLOCK), ((gp - n_pass * c) * r).to(DX.dtype.element_ty),

@@ -91,10 +91,30 @@ def qk_plan(head_dim: int, rotary_dim: int, q_heads_in_row: int, k_heads_in_row:
     return QKPlan(q_block_m, k_block_m, q_tile, k_tile, max(4, min(16, elements // 512)))
 
 
-@functools.lru_cache(maxsize=None)  # torch.promote_types is an aten op, dispatched on every call
+@host_cache  # torch.promote_types is an aten op, dispatched on every call
 def qk_output_dtype(norm_dtype: torch.dtype, cos_dtype: torch.dtype) -> torch.dtype:
     """The dtype eager's ``n * cos + rotate_half(n) * sin`` returns for a norm output of ``norm_dtype``."""
     return torch.promote_types(norm_dtype, cos_dtype)
+
+
+@host_cache
+def qk_result_dtype(mode: str, x_dtype: torch.dtype, weight_dtype: torch.dtype | None, cos_dtype: torch.dtype,
+                    rope_first: bool) -> torch.dtype:
+    """The dtype of ``qk_norm_rope``'s output for an input of ``x_dtype``: the RoPE's (``qk_output_dtype``) of the
+    norm's output, or, rotating first, the norm's output dtype for rows in the RoPE's dtype."""
+    m = get_mode(mode)
+    if rope_first:
+        return m.output_dtype_of(qk_output_dtype(x_dtype, cos_dtype), weight_dtype, None)
+    return qk_output_dtype(m.output_dtype_of(x_dtype, weight_dtype, None), cos_dtype)
+
+
+def _rotation_constexprs(q_dtype: torch.dtype, k_dtype: torch.dtype, cos_dtype: torch.dtype, rope_first: bool,
+                         negate_sin: bool) -> dict[str, bool]:
+    """The kernels' ``ROPE_FIRST``, ``NEGATE_SIN`` and ``ROPE_IN_COS_DTYPE``: the rotated rows are in ``cos``'s
+    dtype, not each input's own (``checks.check_qk_norm_rope`` admits only dtypes where the RoPE's dtype, their
+    promotion, is either, for both q and k)."""
+    own = (qk_output_dtype(q_dtype, cos_dtype), qk_output_dtype(k_dtype, cos_dtype)) == (q_dtype, k_dtype)
+    return dict(ROPE_FIRST=rope_first, ROPE_IN_COS_DTYPE=rope_first and not own, NEGATE_SIN=negate_sin)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -128,12 +148,14 @@ class QKForwardLaunch:
 
     def __init__(self, q_dtype: torch.dtype, k_dtype: torch.dtype, q_weight_dtype: torch.dtype | None,
                  k_weight_dtype: torch.dtype | None, cos_dtype: torch.dtype, head_dim: int, rotary_dim: int,
-                 q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool) -> None:
+                 q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool, rope_first: bool,
+                 negate_sin: bool) -> None:
         m = get_mode(mode)
-        q_norm_dtype = m.output_dtype_of(q_dtype, q_weight_dtype, None)
-        k_norm_dtype = m.output_dtype_of(k_dtype, k_weight_dtype, None)
-        self.q_out_dtype = qk_output_dtype(q_norm_dtype, cos_dtype)
-        self.k_out_dtype = qk_output_dtype(k_norm_dtype, cos_dtype)
+        self.q_out_dtype = qk_result_dtype(mode, q_dtype, q_weight_dtype, cos_dtype, rope_first)
+        self.k_out_dtype = qk_result_dtype(mode, k_dtype, k_weight_dtype, cos_dtype, rope_first)
+        # The norm's output dtype: the result's, or (rotated after the norm) the norm's for the input.
+        q_norm_dtype = self.q_out_dtype if rope_first else m.output_dtype_of(q_dtype, q_weight_dtype, None)
+        k_norm_dtype = self.k_out_dtype if rope_first else m.output_dtype_of(k_dtype, k_weight_dtype, None)
         self.plan = qk_plan(head_dim, rotary_dim, 1 if per_head else q_heads, 1 if per_head else k_heads)
         self.store_stats = norm_launch.stats_flag(store_stats)
         self.constexprs = dict(
@@ -141,7 +163,7 @@ class QKForwardLaunch:
             HAS_Q_WEIGHT=q_weight_dtype is not None, HAS_K_WEIGHT=k_weight_dtype is not None,
             CAST_BEFORE_WEIGHT=m.cast_before_weight, WEIGHT_OFFSET=m.weight_offset,
             Q_NORM_ROUND=_ROUND_CODES[q_norm_dtype], K_NORM_ROUND=_ROUND_CODES[k_norm_dtype],
-            **self.plan.constexprs())
+            **_rotation_constexprs(q_dtype, k_dtype, cos_dtype, rope_first, negate_sin), **self.plan.constexprs())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
                  k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float,
@@ -189,23 +211,26 @@ class QKForwardLaunch:
 @functools.lru_cache(maxsize=None)
 def qk_forward_launch(q_dtype: torch.dtype, k_dtype: torch.dtype, q_weight_dtype: torch.dtype | None,
                       k_weight_dtype: torch.dtype | None, cos_dtype: torch.dtype, head_dim: int, rotary_dim: int,
-                      q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool) -> QKForwardLaunch:
+                      q_heads: int, k_heads: int, per_head: bool, mode: str, store_stats: bool,
+                      rope_first: bool = False, negate_sin: bool = False) -> QKForwardLaunch:
     """The ``QKForwardLaunch`` of one combination: a pure function of its arguments, cached (decode repeats a
     handful and is host-bound; the launcher's cache keys on the launch's identity)."""
     return QKForwardLaunch(q_dtype, k_dtype, q_weight_dtype, k_weight_dtype, cos_dtype, head_dim, rotary_dim,
-                           q_heads, k_heads, per_head, mode, store_stats)
+                           q_heads, k_heads, per_head, mode, store_stats, rope_first, negate_sin)
 
 
 def qk_norm_rope_forward(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
     cos: torch.Tensor, sin: torch.Tensor, q_eps: float, k_eps: float, mode: str, per_head: bool,
-    store_stats: bool = True,
+    store_stats: bool = True, rope_first: bool = False, negate_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Runs the forward kernel on arguments ``checks.check_qk_norm_rope`` passed. Returns ``(q_out, k_out,
     stats)``: the outputs ``[batch, tokens, heads, head_dim]``, contiguous, and the statistics (None unless
-    ``store_stats``): the counters, then fp32 ``rstd`` of q's rows and of k's."""
+    ``store_stats``): the counters, then fp32 ``rstd`` of q's rows and of k's. ``rope_first``: rotate, then
+    normalise; ``negate_sin``: rotate by the opposite angle."""
     launch = qk_forward_launch(q.dtype, k.dtype, dtype_of(q_weight), dtype_of(k_weight), cos.dtype, int(q.shape[3]),
-                               int(cos.shape[2]), int(q.shape[2]), int(k.shape[2]), per_head, mode, store_stats)
+                               int(cos.shape[2]), int(q.shape[2]), int(k.shape[2]), per_head, mode, store_stats,
+                               rope_first, negate_sin)
     if type(q) is not torch.Tensor and is_traced(q):  # the type test first: it is 20 times cheaper
         return launch(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, per_head, wrap_triton(qk_norm_rope_fwd_kernel))
     return launch(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps, per_head)
@@ -214,9 +239,9 @@ def qk_norm_rope_forward(
 def qk_norm_rope_backward(
     dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, stats: torch.Tensor, mode: str,
-    per_head: bool,
+    per_head: bool, rope_first: bool = False, negate_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Runs the backward kernel: ``(dq, dk, d q_weight, d k_weight)`` (None for an absent weight), the input
+    """Runs the backward kernel (of the order ``rope_first`` names, the angle ``negate_sin`` names): ``(dq, dk, d q_weight, d k_weight)`` (None for an absent weight), the input
     gradients ``[batch, tokens, heads, head_dim]`` contiguous in the inputs' dtypes, the weight gradients in the
     weights' (summed in fp32, rounded once). ``stats`` must be as the forward returned them, their counters zero:
     the kernel counts on them and leaves them zero again (``kernels.sum_partials_once_written``)."""
@@ -249,6 +274,7 @@ def qk_norm_rope_backward(
     constexprs = dict(HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, PER_HEAD=per_head,
                       HAS_Q_WEIGHT=q_weight is not None, HAS_K_WEIGHT=k_weight is not None,
                       CAST_BEFORE_WEIGHT=m.cast_before_weight, WEIGHT_OFFSET=m.weight_offset,
+                      **_rotation_constexprs(q.dtype, k.dtype, cos.dtype, rope_first, negate_sin),
                       **plan.constexprs())
     norm_launch._launch(wrap_triton(qk_norm_rope_bwd_kernel) if is_traced(dq_out) else qk_norm_rope_bwd_kernel,
                         grid, args, constexprs, plan.num_warps)

@@ -189,15 +189,20 @@ def qk_norm_rope_reference(
     k_eps: float,
     mode: str,
     per_head: bool,
+    rope_first: bool = False,
+    negate_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q_out, k_out, stats)`` of ``qk.qk_norm_rope``'s op, as the attention modules compute them: each norm
     (``forward_reference``) over each head or over all heads of a token, then ``n * cos + rotate_half(n) * sin``
-    over the first ``cos.shape[-1]`` columns of each head, in torch's dtypes and roundings. Outputs are
-    ``[batch, tokens, heads, head_dim]`` and contiguous; ``stats`` are laid out as the kernels lay them out (the
-    counters, ``rstd`` of q's rows, then of k's)."""
+    over the first ``cos.shape[-1]`` columns of each head, in torch's dtypes and roundings; ``rope_first``
+    (``qk.qk_rope_norm``): the RoPE of the input, then the norm of that. Outputs are ``[batch, tokens, heads,
+    head_dim]`` and contiguous; ``stats`` are laid out as the kernels lay them out (the counters, ``rstd`` of q's
+    rows, then of k's). ``negate_sin``: the rotation by the opposite angle (``-sin``, exact)."""
     m = get_mode(mode)
-    q_out, q_rstd = _norm_rope_reference(q, q_weight, cos, sin, q_eps, mode, per_head)
-    k_out, k_rstd = _norm_rope_reference(k, k_weight, cos, sin, k_eps, mode, per_head)
+    sin = -sin if negate_sin else sin
+    one = _rope_norm_reference if rope_first else _norm_rope_reference
+    q_out, q_rstd = one(q, q_weight, cos, sin, q_eps, mode, per_head)
+    k_out, k_rstd = one(k, k_weight, cos, sin, k_eps, mode, per_head)
     return q_out, k_out, torch.cat([m.pack_stats(q_rstd, None), k_rstd.reshape(-1)])
 
 
@@ -206,15 +211,26 @@ def _norm_rows(x: torch.Tensor, per_head: bool) -> torch.Tensor:
     return x if per_head else x.reshape(*x.shape[:2], -1)
 
 
-def _norm_rope_reference(x, weight, cos, sin, eps, mode, per_head):
-    y, _, stats = forward_reference(_norm_rows(x, per_head), None, weight, None, eps, mode)
-    y = y.view(x.shape)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's ``apply_rotary_pos_emb`` of ``x`` (``[batch, tokens, heads, head_dim]``) over the first
+    ``cos.shape[-1]`` columns of each head, the rest passed through, in torch's dtypes and roundings."""
     rotary_dim = cos.shape[-1]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over the heads
-    rotated = y[..., :rotary_dim] * cos + rotate_half(y[..., :rotary_dim]) * sin
-    out = torch.cat([rotated, y[..., rotary_dim:]], dim=-1).contiguous()
+    rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1).contiguous()
+
+
+def _norm_rope_reference(x, weight, cos, sin, eps, mode, per_head):
+    y, _, stats = forward_reference(_norm_rows(x, per_head), None, weight, None, eps, mode)
     rstd, _ = get_mode(mode).unpack_stats(stats, _norm_rows(x, per_head).shape)
-    return out, rstd
+    return _rope(y.view(x.shape), cos, sin), rstd
+
+
+def _rope_norm_reference(x, weight, cos, sin, eps, mode, per_head):
+    rotated = _rope(x, cos, sin)
+    y, _, stats = forward_reference(_norm_rows(rotated, per_head), None, weight, None, eps, mode)
+    rstd, _ = get_mode(mode).unpack_stats(stats, _norm_rows(x, per_head).shape)
+    return y.view(x.shape).contiguous(), rstd
 
 
 def qk_norm_rope_backward_reference(
@@ -229,21 +245,28 @@ def qk_norm_rope_backward_reference(
     stats: torch.Tensor,
     mode: str,
     per_head: bool,
+    rope_first: bool = False,
+    negate_sin: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(dq, dk, d q_weight, d k_weight)`` of ``qk_norm_rope_reference`` in the norms' compute dtype (None for an
     absent weight): the rotation's transpose (``dn = dy * cos + rotate_half^T(dy * sin)``, the rest of each head
-    passing ``dy`` through), then ``backward_reference``. The caller casts them to the inputs' dtypes."""
+    passing ``dy`` through), then ``backward_reference``; ``rope_first``: ``backward_reference`` on the rotated rows
+    (computed again as the forward computes them), then the rotation's transpose. The caller casts them to the
+    inputs' dtypes."""
     m = get_mode(mode)
     q_rows = _norm_rows(q, per_head).shape
     rstd = stats[STATS_SYNC_SLOTS:]
     q_count = math.prod(q_rows[:-1])
-    dq, dqw = _norm_rope_backward_reference(dq_out, q, q_weight, cos, sin, rstd[:q_count], m, per_head)
-    dk, dkw = _norm_rope_backward_reference(dk_out, k, k_weight, cos, sin, rstd[q_count:], m, per_head)
+    sin = -sin if negate_sin else sin
+    one = _rope_norm_backward_reference if rope_first else _norm_rope_backward_reference
+    dq, dqw = one(dq_out, q, q_weight, cos, sin, rstd[:q_count], m, per_head)
+    dk, dkw = one(dk_out, k, k_weight, cos, sin, rstd[q_count:], m, per_head)
     return dq, dk, dqw, dkw
 
 
-def _norm_rope_backward_reference(dy, x, weight, cos, sin, rstd, m, per_head):
-    compute = m.compute_dtype(x.dtype)
+def _rope_transpose(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """The gradient at the RoPE's input for ``dy`` at its output, in ``compute``: ``dy * cos +
+    rotate_half^T(dy * sin)`` over the rotated columns, ``dy`` itself over the rest."""
     rotary_dim = cos.shape[-1]
     cos, sin = cos.unsqueeze(2).to(compute), sin.unsqueeze(2).to(compute)
     dy = dy.to(compute)
@@ -251,8 +274,19 @@ def _norm_rope_backward_reference(dy, x, weight, cos, sin, rstd, m, per_head):
     along_sin = rotated * sin
     # rotate_half's transpose: (x1, x2) -> (x2, -x1).
     x1, x2 = along_sin.chunk(2, dim=-1)
-    dn = torch.cat([rotated * cos + torch.cat((x2, -x1), dim=-1), dy[..., rotary_dim:]], dim=-1)
+    return torch.cat([rotated * cos + torch.cat((x2, -x1), dim=-1), dy[..., rotary_dim:]], dim=-1)
+
+
+def _norm_rope_backward_reference(dy, x, weight, cos, sin, rstd, m, per_head):
+    dn = _rope_transpose(dy, cos, sin, m.compute_dtype(x.dtype))
     rows = _norm_rows(x, per_head)
     dx, dweight, _ = backward_reference(_norm_rows(dn, per_head), None, rows, m.pack_stats(rstd.view(rows.shape[:-1]),
                                         None), weight, False, m.name)
     return dx.view(x.shape), dweight
+
+
+def _rope_norm_backward_reference(dy, x, weight, cos, sin, rstd, m, per_head):
+    rows = _norm_rows(_rope(x, cos, sin), per_head)
+    dr, dweight, _ = backward_reference(_norm_rows(dy, per_head), None, rows,
+                                        m.pack_stats(rstd.view(rows.shape[:-1]), None), weight, False, m.name)
+    return _rope_transpose(dr.view(x.shape), cos, sin, m.compute_dtype(rows.dtype)), dweight

@@ -524,7 +524,7 @@ def test_compiled_calls_on_a_gpu_trace_into_the_kernel_launch(traced):
                                         "qk_norm_rope_bwd_triton": ["qk_norm_rope_bwd_kernel"]}
 
 
-@pytest.mark.parametrize("variant", ["qk-fwd", "qk-infer", "qk-bwd", "qk-whole-bwd"])
+@pytest.mark.parametrize("variant", ["qk-fwd", "qk-infer", "qk-bwd", "qk-whole-bwd", "qk-rope-first-bwd"])
 def test_the_launch_constants_do_not_depend_on_the_token_count(variant):
     """Batch invariance on a GPU: qk_launch.py's host code (captured on meta tensors) passes the same constexprs and
     warps at every token count, and the kernels do not specialise on it (kernels.ROW_COUNT_ARGS)."""
@@ -540,7 +540,8 @@ def test_offline_build_spills_within_the_budget_with_128_bit_loads(tmp_path):
     """Compiled for sm_90 (scripts/inspect_kernels.py, in a process of its own: here the kernels are interpreted)."""
     out = tmp_path / "inspect.json"
     proc = subprocess.run([sys.executable, str(SCRIPTS / "inspect_kernels.py"), "--arch", "sm_90", "--hidden", "80",
-                           "4096", "--dtype", "bf16", "--variant", "qk-fwd", "qk-bwd", "qk-whole-bwd", "--strict",
+                           "4096", "--dtype", "bf16", "--variant", "qk-fwd", "qk-bwd", "qk-whole-bwd",
+                           "qk-rope-first-fwd", "qk-rope-first-bwd", "--strict",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     records = json.loads(out.read_text())
@@ -548,7 +549,9 @@ def test_offline_build_spills_within_the_budget_with_128_bit_loads(tmp_path):
     assert {(r["kernel"], r["variant"], r["hidden"]) for r in records} == {
         ("qk_norm_rope_fwd_kernel", "qk-fwd", 80), ("qk_norm_rope_bwd_kernel", "qk-bwd", 80),
         ("qk_norm_rope_fwd_kernel", "qk-fwd", 4096), ("qk_norm_rope_bwd_kernel", "qk-bwd", 4096),
-        ("qk_norm_rope_bwd_kernel", "qk-whole-bwd", 4096)}
+        ("qk_norm_rope_bwd_kernel", "qk-whole-bwd", 4096), ("qk_norm_rope_fwd_kernel", "qk-rope-first-fwd", 80),
+        ("qk_norm_rope_bwd_kernel", "qk-rope-first-bwd", 80), ("qk_norm_rope_fwd_kernel", "qk-rope-first-fwd", 4096),
+        ("qk_norm_rope_bwd_kernel", "qk-rope-first-bwd", 4096)}
     for r in records:
         assert r["spill_bytes"] <= kernel_inspect.MAX_SPILL_BYTES and r["vector_bits"] == 128, r
 
