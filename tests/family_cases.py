@@ -103,7 +103,9 @@ CASES: dict[str, FamilyCase] = {
     "qwen3_5_moe_text": FamilyCase("qwen3_5_moe_text", {RECOGNISED}, dict(
         **MOE, shared_expert_intermediate_size=32, **HYBRID
     ), norms=7, adds=HYBRID_ADDS, qk=1),
-    "nanochat": FamilyCase("nanochat", {RECOGNISED}, norms=9, adds=4, mode="llama"),
+    # The RoPE before the q/k norms (NanoChat's by the opposite angle): one qk_rope_norm launch an attention.
+    "nanochat": FamilyCase("nanochat", {RECOGNISED}, norms=9, adds=4, mode="llama", qk=2),
+    "hunyuan_v1_dense": FamilyCase("hunyuan_v1_dense", {RECOGNISED}, norms=9, adds=4, mode="llama", qk=2),
     "gemma": FamilyCase("gemma", {RECOGNISED}, norms=5, adds=4),
     "gemma2": FamilyCase("gemma2", {RECOGNISED}, dict(sliding_window=4), norms=9, adds=4),
     "gemma3_text": FamilyCase("gemma3_text", {RECOGNISED}, dict(sliding_window=4), norms=13, adds=4, mode="gemma",

@@ -32,16 +32,18 @@ def qk_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):
 
 @contextlib.contextmanager
 def counting_launches(monkeypatch):
-    """Counts the fused q/k norms + RoPE launches made inside the ``with`` block (``calls[0]``)."""
+    """Counts the fused q/k norms + RoPE launches (of either order) made inside the ``with`` block (``calls[0]``)."""
     calls = [0]
-    launch = qk_runtime.qk_norm_rope
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return launch(*args, **kwargs)
+    def counting(launch):
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return launch(*args, **kwargs)
+        return counted
 
     with monkeypatch.context() as patch:
-        patch.setattr(qk_runtime, "qk_norm_rope", counted)
+        for name in ("qk_norm_rope", "qk_rope_norm"):
+            patch.setattr(qk_runtime, name, counting(getattr(qk_runtime, name)))
         yield calls
 
 

@@ -28,6 +28,17 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     return q_embed, k_embed
 
 
+def opposite_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """NanoChat's RoPE: its rotate_half returns (x2, -x1), the rotation by the opposite angle."""
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+
+    def rotate_back(x):
+        return torch.cat((x[..., x.shape[-1] // 2:], -x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return (q * cos) + (rotate_back(q) * sin), (k * cos) + (rotate_back(k) * sin)
+
+
 def rotary_one(x, cos, sin, unsqueeze_dim=1):
     """Hugging Face's RoPE of one tensor, as Gemma 3n and Gemma 4 write it."""
     cos = cos.unsqueeze(unsqueeze_dim)
@@ -156,6 +167,38 @@ class OlmoAttention(QwenAttention):
         value_states = value_states.view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class RopeFirstAttention(QwenAttention):
+    """HunYuan's order: the heads rotated, then normalised."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+        return self.attend(query_states, key_states, value_states)
+
+
+class OppositeAngleAttention(QwenAttention):
+    """NanoChat's order and angle: rotated by the opposite angle, then normalised (the keys' norm first)."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = opposite_rotary_pos_emb(query_states, key_states, cos, sin)
+        key_states = self.k_norm(key_states)
+        query_states = self.q_norm(query_states)
         return self.attend(query_states, key_states, value_states)
 
 

@@ -1,5 +1,6 @@
 """The attention modules whose query/key norms and RoPE run as one ``qk_norm_rope`` launch (or one per tensor, where
-the attention normalises and rotates its queries and keys each on its own: ``qk_sites.one_sites``): planned
+the attention normalises and rotates its queries and keys each on its own: ``qk_sites.one_sites``; or one
+``qk_rope_norm`` launch, where it rotates them before normalising them: ``qk_sites.rope_first_site``): planned
 (``plan_attention``), their kind (``QKAttentionKind``) and their forward, derived from the attention's own code with
 its q/k site rewritten (``fused_attention_forward``; ``qk_sites.py`` finds the site and says why the rewrite is
 exact, ``qk_probe.py`` accepts the RoPE function, ``qk_runtime.py`` runs it).
@@ -27,38 +28,57 @@ from .derived_source import helper_call
 from .derived_syntax import attribute_at, located, self_name
 from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_one_tensor_rope, probe_rope
-from .qk_sites import OnePlan, OneSite, QKSite, SitePlan, module_calls, one_sites, qk_site
+from .qk_sites import (
+    NO_ROPE_FIRST,
+    OnePlan,
+    OneSite,
+    QKSite,
+    RopeFirstPlan,
+    RopeFirstSite,
+    SitePlan,
+    module_calls,
+    one_sites,
+    qk_site,
+    rope_first_site,
+)
 from .report import QK_APART
 
 # The locals the derived forward keeps the norms' inputs in, from their statements to the RoPE's.
 _INPUTS = ("_hf_rmsnorm_q", "_hf_rmsnorm_k")
 # What the report says first of an attention whose q/k site is not fused (``PatchReport.qk_apart`` reads it).
 UNFUSED = QK_APART
+# A fused attention's site or sites.
+Site = QKSite | RopeFirstSite | tuple[OneSite, ...]
 
 
 @dataclass(frozen=True)
 class QKAttentionKind:
-    """An attention class whose q/k site (``site``) runs as one launch, or whose one-tensor sites (``site`` a tuple of
-    them: Gemma 3n's and Gemma 4's queries and keys) one launch each: ``rope`` the RoPE function the probe accepted,
+    """An attention class whose q/k site (``site``: the norms then the RoPE, or the RoPE then the norms) runs as one
+    launch, or whose one-tensor sites (``site`` a tuple of them: Gemma 3n's and Gemma 4's queries and keys) one launch
+    each: ``rope`` the RoPE function the probe accepted,
     with its code, defaults and the module-level functions it reads (``rope_globals``: ``rotate_half``), which
     ``qk_runtime`` checks at every call; ``dtypes`` (each (norm output, cos) dtype pair the function computes as the
-    kernel does, and whether it casts the result back to the norm's dtype) and ``partial`` what the probe found
-    (``qk_probe``)."""
+    kernel does, and whether it casts the result back to the norm's dtype), ``partial`` and ``negate_sin`` (its
+    angle) what the probe found (``qk_probe``)."""
 
     class_path: str
-    site: QKSite | tuple[OneSite, ...]
+    site: Site
     rope: types.FunctionType
     rope_code: types.CodeType
     rope_defaults: tuple | None
     rope_globals: tuple[tuple[str, object], ...]
     dtypes: tuple[tuple[tuple[torch.dtype, torch.dtype], bool], ...]
     partial: bool
+    negate_sin: bool
 
     @property
     def label(self) -> str:
-        rotary = "full and partial rotary" if self.partial else "full rotary"
+        rotary = ("full and partial rotary" if self.partial else "full rotary") + (
+            ", the opposite angle" if self.negate_sin else "")
         if isinstance(self.site, QKSite):
             return f"{self.site.label} -> one qk_norm_rope launch ({rotary})"
+        if isinstance(self.site, RopeFirstSite):
+            return f"{self.site.label} -> one qk_rope_norm launch ({rotary})"
         each = " each" if len(self.site) > 1 else ""
         return f"{'; '.join(s.label for s in self.site)} -> one qk_norm_rope launch{each} ({rotary})"
 
@@ -73,6 +93,8 @@ class QKAttentionKind:
         between them and the RoPE."""
         if isinstance(self.site, QKSite):
             return (self.site.q_norm, self.site.k_norm, *self.site.between)
+        if isinstance(self.site, RopeFirstSite):
+            return self.site.q_norm, self.site.k_norm
         return tuple(s.norm for s in self.site)
 
     def __deepcopy__(self, memo: dict) -> QKAttentionKind:
@@ -84,25 +106,25 @@ class QKAttentionKind:
         return _probed_kind, (self.class_path, self.site, self.rope)
 
 
-def _kind(class_path: str, site: QKSite, rope: types.FunctionType, verdict: RopeVerdict) -> QKAttentionKind:
+def _kind(class_path: str, site: Site, rope: types.FunctionType, verdict: RopeVerdict) -> QKAttentionKind:
     module_functions = tuple((name, value) for name in rope.__code__.co_names
                              if isinstance(value := rope.__globals__.get(name), types.FunctionType))
     return QKAttentionKind(class_path, site, rope, rope.__code__, rope.__defaults__, module_functions, verdict.dtypes,
-                           verdict.partial)
+                           verdict.partial, verdict.negate_sin)
 
 
-def _probed_kind(class_path: str, site: QKSite | tuple[OneSite, ...], rope: types.FunctionType) -> QKAttentionKind:
+def _probed_kind(class_path: str, site: Site, rope: types.FunctionType) -> QKAttentionKind:
     verdict = _probe(rope, site)
     return _kind(class_path, site, rope, RopeVerdict((), False) if isinstance(verdict, str) else verdict)
 
 
-def _rope_name(site: QKSite | tuple[OneSite, ...]) -> str:
-    return site.rope if isinstance(site, QKSite) else site[0].rope
+def _rope_name(site: Site) -> str:
+    return site[0].rope if isinstance(site, tuple) else site.rope
 
 
-def _probe(rope: types.FunctionType, site: QKSite | tuple[OneSite, ...]) -> RopeVerdict | str:
+def _probe(rope: types.FunctionType, site: Site) -> RopeVerdict | str:
     """The probe's verdict on ``rope`` called as ``site`` calls it: on q and k, or on one tensor."""
-    return probe_rope(rope) if isinstance(site, QKSite) else probe_one_tensor_rope(rope)
+    return probe_one_tensor_rope(rope) if isinstance(site, tuple) else probe_rope(rope)
 
 
 def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
@@ -113,20 +135,26 @@ def attention_kind(cls: type, norms: frozenset[tuple[str, ...]],
     if isinstance(forward, str):
         return forward
     plan = qk_site(forward, forward.node, norms)
+    site: Site
     if isinstance(plan, str):
         ones = one_sites(forward, forward.node, norms)
-        if not ones:
-            return plan
-        site: QKSite | tuple[OneSite, ...] = tuple(one.site for one in ones)
-        if len({one.rope for one in site}) > 1:
-            return f"its one-tensor sites call different RoPE functions ({', '.join(sorted({o.rope for o in site}))})"
+        rope_first = None if ones else rope_first_site(forward, forward.node, norms)
+        if rope_first is not None:
+            site = rope_first.site
+        elif not ones:
+            return f"{plan}; {NO_ROPE_FIRST}"
+        else:
+            site = tuple(one.site for one in ones)
+            if len({one.rope for one in site}) > 1:
+                return (f"its one-tensor sites call different RoPE functions "
+                        f"({', '.join(sorted({o.rope for o in site}))})")
     else:
         site = plan.site
     name = _rope_name(site)
     rope = forward.undecorated.__globals__.get(name)
     if not isinstance(rope, types.FunctionType):
         return f"{name} is not a Python function of {cls.__module__}"
-    key = (rope, isinstance(site, QKSite))  # a function is probed once per way of calling it
+    key = (rope, isinstance(site, tuple))  # a function is probed once per way of calling it
     if key not in verdicts:
         verdicts[key] = _probe(rope, site)
     verdict = verdicts[key]
@@ -150,6 +178,11 @@ def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., 
         if isinstance(plan, str) or plan.site != kind.site:
             raise ValueError(f"{base.__qualname__}.forward no longer has {kind.site.label}")
         _rewrite(plan, self_name(function))
+    elif isinstance(kind.site, RopeFirstSite):
+        plan = rope_first_site(forward, function, frozenset({kind.site.q_norm, kind.site.k_norm}))
+        if plan is None or plan.site != kind.site:
+            raise ValueError(f"{base.__qualname__}.forward no longer has {kind.site.label}")
+        _rewrite_rope_first(plan, self_name(function))
     else:
         ones = one_sites(forward, function, frozenset(one.norm for one in kind.site))
         if tuple(one.site for one in ones) != kind.site:
@@ -198,6 +231,18 @@ def _rewrite_one(plan: OnePlan, me: str) -> None:
     plan.block[plan.index] = located(ast.Assign(copy.deepcopy(norm_statement.targets), located(value, rope)),
                                      norm_statement)
     plan.block[plan.index + 1] = located(ast.Pass(), rope_statement)
+
+
+def _rewrite_rope_first(plan: RopeFirstPlan, me: str) -> None:
+    """The RoPE's call ``F(Q, K, C, S)`` -> ``rope_norm(self, self.q_norm, self.k_norm, F, Q, K, C, S)``, the norm
+    statements after it -> ``pass`` (``qk_sites``' "The RoPE before the norms")."""
+    rope_statement = plan.block[plan.index]
+    call = rope_statement.value
+    norms = [_attribute(me, path) for path in (plan.site.q_norm, plan.site.k_norm)]
+    rope_statement.value = located(helper_call("rope_norm", ast.Name(me, ast.Load()), *norms, call.func, *call.args),
+                                   call)
+    for j in (plan.index + 1, plan.index + 2):
+        plan.block[j] = located(ast.Pass(), plan.block[j])
 
 
 def _attribute(me: str, path: tuple[str, ...]) -> ast.expr:

@@ -1,7 +1,8 @@
 """The numerical probe of an attention module's RoPE function: the function is accepted for the fused q/k norms +
 RoPE (``qk_attention.py``) only where it computes, bit for bit, what ``qk_norm_rope`` computes after its norms.
 
-The norms' outputs are made exactly known: rows of +-1 (mean square 1, so rstd is 1 exactly, with an eps below half an
+A function rotating by the opposite angle (NanoChat's ``rotate_half`` returns ``(x2, -x1)``) is probed against the
+kernel's ``negate_sin`` where it computes the usual angle in no dtype. The norms' outputs are made exactly known: rows of +-1 (mean square 1, so rstd is 1 exactly, with an eps below half an
 ulp of 1) normalised with trained-like weights give ``sign * weight`` in the norm's dtype, with no rounding.
 ``qk_norm_rope`` then rotates those values with random ``cos``/``sin``; the function is given the same values as the
 attention gives it (``[batch, heads, tokens, head_dim]``, the transposed view of the projection) and must return the
@@ -34,28 +35,35 @@ _BATCH, _TOKENS, _Q_HEADS, _K_HEADS, _HEAD_DIM = 2, 3, 4, 2, 16
 @dataclass(frozen=True)
 class RopeVerdict:
     """What the probe found a RoPE function to compute as the kernel does: for each dtype pair it does, whether it
-    casts the kernel's output back to the norm's dtype (``dtypes``); and whether it does so for partial rotary
-    (``cos`` narrower than the head) too."""
+    casts the kernel's output back to the norm's dtype (``dtypes``); whether it does so for partial rotary (``cos``
+    narrower than the head) too; and whether it rotates by the opposite angle (``negate_sin``: the kernel's
+    ``negate_sin``)."""
 
     dtypes: tuple[tuple[tuple[torch.dtype, torch.dtype], bool], ...]
     partial: bool
+    negate_sin: bool = False
 
 
 def probe_rope(rope: object) -> RopeVerdict | str:
-    """The verdict on ``rope`` (called as ``rope(q, k, cos, sin)``), or why it is not the kernel's RoPE. The probe
-    runs on the CPU whatever the caller's default device or ``torch.device`` context (a model built under
-    ``torch.device("meta")`` gets the verdict it will have once loaded)."""
-    generator = torch.Generator().manual_seed(0)
+    """The verdict on ``rope`` (called as ``rope(q, k, cos, sin)``), or why it is not the kernel's RoPE, of either
+    angle (Hugging Face's ``rotate_half``, or NanoChat's, which returns ``(x2, -x1)``). The probe runs on the CPU
+    whatever the caller's default device or ``torch.device`` context (a model built under ``torch.device("meta")``
+    gets the verdict it will have once loaded)."""
     with torch.device("cpu"):
-        full = {pair: cast for pair in DTYPE_PAIRS
-                if (cast := _agrees(rope, *pair, _HEAD_DIM, generator)) is not None}
-        partial = all(_agrees(rope, *pair, _HEAD_DIM // 2, generator) == cast for pair, cast in full.items())
+        for negate_sin in (False, True):
+            generator = torch.Generator().manual_seed(0)
+            full = {pair: cast for pair in DTYPE_PAIRS
+                    if (cast := _agrees(rope, *pair, _HEAD_DIM, generator, negate_sin)) is not None}
+            if full:
+                break
+        partial = all(_agrees(rope, *pair, _HEAD_DIM // 2, generator, negate_sin) == cast
+                      for pair, cast in full.items())
     if not full:
         return (f"{getattr(rope, '__qualname__', rope)} does not compute the kernel's rotate_half RoPE in any dtype "
                 "(interleaved pairs, multimodal sections or other roundings)")
     if (_BF16, _BF16) not in full:
         return f"{getattr(rope, '__qualname__', rope)} does not compute the kernel's RoPE bit for bit in bf16"
-    return RopeVerdict(tuple(full.items()), partial)
+    return RopeVerdict(tuple(full.items()), partial, negate_sin)
 
 
 def probe_one_tensor_rope(rope: object) -> RopeVerdict | str:
@@ -70,10 +78,10 @@ def probe_one_tensor_rope(rope: object) -> RopeVerdict | str:
     return probe_rope(both)
 
 
-def _agrees(rope, norm_dtype: torch.dtype, cos_dtype: torch.dtype, rotary_dim: int,
-            generator: torch.Generator) -> bool | None:
-    """Whether ``rope`` computes the kernel's output (False) or that output cast to ``norm_dtype`` (True) on one
-    random draw; None if neither."""
+def _agrees(rope, norm_dtype: torch.dtype, cos_dtype: torch.dtype, rotary_dim: int, generator: torch.Generator,
+            negate_sin: bool) -> bool | None:
+    """Whether ``rope`` computes the kernel's output (of the angle ``negate_sin`` names: False) or that output cast
+    to ``norm_dtype`` (True) on one random draw; None if neither."""
     def signs(heads):
         return (torch.randint(0, 2, (_BATCH, _TOKENS, heads, _HEAD_DIM), generator=generator) * 2 - 1).to(norm_dtype)
 
@@ -84,7 +92,7 @@ def _agrees(rope, norm_dtype: torch.dtype, cos_dtype: torch.dtype, rotary_dim: i
     cos, sin = (torch.rand(_BATCH, _TOKENS, rotary_dim, generator=generator).mul(2).sub(1).to(cos_dtype)
                 for _ in range(2))
     with torch.no_grad():
-        expected = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, _EPS)
+        expected = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, _EPS, negate_sin=negate_sin)
         try:
             got = rope((q * q_weight).transpose(1, 2), (k * k_weight).transpose(1, 2), cos, sin)
         except Exception:  # a function that cannot take this layout or rotary width is not accepted for it

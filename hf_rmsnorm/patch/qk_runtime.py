@@ -1,7 +1,8 @@
 """What the fused attention forwards (``qk_attention.py``) run at every call: the class forward choosing between
 the derived forward and the original, and ``norm_rope``, which runs the q/k norms and the RoPE as one
 ``qk_norm_rope`` launch where that computes what the original statements compute (``qk_sites.py`` says why the
-rewrite is exact under these checks), and otherwise evaluates those statements."""
+rewrite is exact under these checks), and otherwise evaluates those statements; ``norm_rope_one`` and
+``rope_norm`` likewise for the one-tensor sites and the RoPE before the norms."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.modes import get_mode
-from ..ops.qk import qk_norm_rope
+from ..ops.qk import qk_norm_rope, qk_rope_norm
+from ..ops.qk_launch import qk_output_dtype
 from ..ops.checks import check_qk_norm_rope
 from ..ops.dtensor import holds_dtensor
 from . import guard
@@ -67,7 +69,7 @@ def norm_rope(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, 
         return rope(*norms_apart(attention, q_norm, k_norm, q_in, k_in, q_view, k_view), cos, sin)
     q, k, q_weight, k_weight, q_eps, k_eps, mode, cast = fused
     q_out, k_out = qk_norm_rope(q, k, q_weight, k_weight, cos, sin, q_eps, k_eps=k_eps, mode=mode,
-                                per_head=site.per_head)
+                                per_head=site.per_head, negate_sin=kind.negate_sin)
     if cast is not None:  # the function returns its input's dtype (qk_probe)
         q_out, k_out = q_out.to(cast), k_out.to(cast)
     return q_out, k_out
@@ -80,9 +82,50 @@ def norm_rope_one(norm: nn.Module, x_in: Tensor, rope, cos: Tensor, sin: Tensor,
     if fused is None:
         return rope(norm(x_in), cos, sin, unsqueeze_dim=2)
     weight, eps, mode, cast = fused
-    out, _ = qk_norm_rope(x_in, _no_heads(x_in), weight, None, cos, sin, eps, k_eps=eps, mode=mode, per_head=True)
+    out, _ = qk_norm_rope(x_in, _no_heads(x_in), weight, None, cos, sin, eps, k_eps=eps, mode=mode, per_head=True,
+                          negate_sin=type(attention)._hf_rmsnorm_kind.negate_sin)
     out = out.transpose(1, 2)  # back to x_in's [batch, tokens, heads, head_dim], as the function returns it
     return out if cast is None else out.to(cast)
+
+
+def rope_norm(attention: nn.Module, q_norm: nn.Module, k_norm: nn.Module, rope, q: Tensor, k: Tensor, cos: Tensor,
+              sin: Tensor) -> tuple[Tensor, Tensor]:
+    """``q_norm(Q), k_norm(K)`` of ``Q, K = rope(q, k, cos, sin)`` (``qk_sites``' "The RoPE before the norms"), from
+    one ``qk_rope_norm`` launch where it computes that (``_rope_first_arguments``)."""
+    kind = type(attention)._hf_rmsnorm_kind
+    fused = _rope_first_arguments(kind, q_norm, k_norm, rope, q, k, cos, sin)
+    if fused is None:  # the statements as written, the norms in their order
+        q, k = rope(q, k, cos, sin)
+        if kind.site.q_first:
+            q = q_norm(q)
+            return q, k_norm(k)
+        k = k_norm(k)
+        return q_norm(q), k
+    q_weight, k_weight, q_eps, k_eps, mode = fused
+    return qk_rope_norm(q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, cos, sin, q_eps, k_eps=k_eps,
+                        mode=mode, per_head=True, negate_sin=kind.negate_sin)
+
+
+def _rope_first_arguments(kind, q_norm, k_norm, rope, q, k, cos, sin):
+    """``qk_rope_norm``'s weights, eps and mode where one launch computes what ``rope_norm``'s statements do: the
+    function, the norms and the tensors as ``_probed_rope_and_norms`` wants them; q and k ``[batch, heads, tokens,
+    head_dim]`` (the norms per head); for each, the probe's verdict on its (dtype, cos's dtype) pair, the RoPE
+    returning the promoted dtype, or casting back to q's or k's own dtype where that is the promoted one; the
+    operator's own argument checks passed. None otherwise."""
+    parameters = _probed_rope_and_norms(kind, rope, (q_norm, k_norm), (q, k, cos, sin))
+    if parameters is None or q.dim() != 4 or k.dim() != 4:
+        return None
+    (q_kind, q_weight, q_eps), (_, k_weight, k_eps) = parameters
+    for x in (q, k):
+        cast = _probed_cast(kind, x.dtype, x, cos, sin)
+        if cast is None or cast[0] not in (None, qk_output_dtype(x.dtype, cos.dtype)):
+            return None
+    try:
+        check_qk_norm_rope(q.transpose(1, 2), k.transpose(1, 2), q_weight, k_weight, cos, sin, q_eps, k_eps,
+                           q_kind.mode, True, True)
+    except (TypeError, ValueError):
+        return None
+    return q_weight, k_weight, q_eps, k_eps, q_kind.mode
 
 
 def _no_heads(x: Tensor) -> Tensor:

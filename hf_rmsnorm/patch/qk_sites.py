@@ -80,6 +80,23 @@ original evaluates after the norm's call: that call changes none of them (a norm
 nothing runs in between. ``norm_rope_one`` (``qk_runtime``) makes the checks ``norm_rope`` makes, and runs the one
 norm and the RoPE as ``qk_norm_rope`` of ``X`` with no key heads; otherwise the two statements as written. ``F``
 passes the probe as a function of one tensor (``qk_probe.probe_one_tensor_rope``).
+
+**The RoPE before the norms** (``rope_first_site``). NanoChat and HunYuan rotate the query and key heads, then
+normalise them::
+
+    Q, K = F(Q, K, C, S)                 ->  Q, K = rope_norm(self, self.q_norm, self.k_norm, F, Q, K, C, S)
+    Q = self.q_norm(Q)                   ->  pass
+    K = self.k_norm(K)                   ->  pass
+
+The site is three consecutive statements of one block of the forward's body or of the bodies of its ``if``
+statements (no loop, no ``try``: as for the one-tensor sites): the RoPE statement of invariant 5's form, then, in
+either order, ``Q = self.q_norm(Q)`` and ``K = self.k_norm(K)``, two different patched norms each called with the
+RoPE's output as its one argument (each a norm per head: ``Q`` is ``[batch, heads, tokens, head_dim]``, which
+``rope_norm`` checks). The rewrite evaluates ``self.q_norm`` and ``self.k_norm`` before ``F``'s call instead of
+after it: looking them up runs no code of the model, and ``F`` (the probed function, invariant 5) changes no module.
+Nothing else runs in between, nothing reads the rotated, unnormalised ``Q`` and ``K``, and an exception ``F`` or a
+norm raises leaves what the original left (``rope_norm`` runs them as written where it does not fuse).
+``rope_norm`` (``qk_runtime``) checks what ``norm_rope`` checks and runs ``qk_rope_norm``.
 """
 
 from __future__ import annotations
@@ -97,6 +114,9 @@ _VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
 TRANSPOSE, VIEW = "transpose", "view"
 # The layouts of invariant 4: what may follow each norm (``OPS``), and whether the norm is per head.
 LAYOUTS = {(): True, (TRANSPOSE,): True, (VIEW, TRANSPOSE): False}
+# Why a forward has no site of the other order (``rope_first_site``), said after why it has none of the first.
+NO_ROPE_FIRST = ("nor is one directly followed by Q = self.q_norm(Q) and K = self.k_norm(K) in a block of the "
+                 "forward's body or of its if statements (the RoPE before the norms)")
 
 
 @dataclass(frozen=True)
@@ -136,6 +156,32 @@ class OneSite:
     @property
     def label(self) -> str:
         return f"{'.'.join(self.norm)} (per head) and {self.rope} at line {self.line}"
+
+
+@dataclass(frozen=True)
+class RopeFirstSite:
+    """A RoPE + q/k norms site (``rope_first_site``): the norms' attribute paths, the RoPE function's global name,
+    the RoPE statement's line, and whether the queries' norm statement comes first (the order ``qk_runtime``
+    calls the norms in where the site does not fuse)."""
+
+    q_norm: tuple[str, ...]
+    k_norm: tuple[str, ...]
+    rope: str
+    line: int
+    q_first: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.rope} at line {self.line}, then {'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} (per head)"
+
+
+@dataclass(eq=False)
+class RopeFirstPlan:
+    """``RopeFirstSite`` and the block holding its statements: the RoPE's at ``index``, the norms' after it."""
+
+    site: RopeFirstSite
+    block: list[ast.stmt]
+    index: int
 
 
 @dataclass(eq=False)
@@ -219,6 +265,38 @@ def one_sites(forward: derived_source.ClassForward, function: ast.FunctionDef,
     code = forward.undecorated.__code__
     return [plan for block in _if_blocks(function.body) for i in range(len(block) - 1)
             if (plan := _one_site_at(block, i, me, norms, code)) is not None]
+
+
+def rope_first_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
+                    norms: frozenset[tuple[str, ...]]) -> RopeFirstPlan | None:
+    """The RoPE + q/k norms site of ``function`` (a parse of ``forward``'s def of its own) whose norm calls are
+    ``self.<path>`` for ``path`` in ``norms``; None if it has none (or more than one)."""
+    me = self_name(function)
+    code = forward.undecorated.__code__
+    plans = [plan for block in _if_blocks(function.body) for i in range(len(block) - 2)
+             if (plan := _rope_first_at(block, i, me, norms, code)) is not None]
+    return plans[0] if len(plans) == 1 else None
+
+
+def _rope_first_at(block: list[ast.stmt], i: int, me: str, norms: frozenset[tuple[str, ...]],
+                   code: types.CodeType) -> RopeFirstPlan | None:
+    rope = _rope_call(block[i], code)
+    if rope is None:
+        return None
+    name, q_name, k_name = rope
+    paths: dict[str, tuple[str, ...]] = {}  # in the order of the norm statements
+    for statement in block[i + 1:i + 3]:
+        target = assigned_name(statement)
+        call = statement.value if target is not None else None
+        path = module_call(call, me) if isinstance(call, ast.Call) else None
+        if (path is None or path not in norms or target in paths or target not in (q_name, k_name)
+                or not isinstance(call.args[0], ast.Name) or call.args[0].id != target):
+            return None
+        paths[target] = path
+    if paths[q_name] == paths[k_name]:
+        return None
+    site = RopeFirstSite(paths[q_name], paths[k_name], name, block[i].lineno, next(iter(paths)) == q_name)
+    return RopeFirstPlan(site, block, i)
 
 
 def _if_blocks(block: list[ast.stmt]) -> list[list[ast.stmt]]:

@@ -35,7 +35,8 @@ class PatchReport:
         norms: qualified names of the norm modules now running the kernels.
         fused_adds: the residual adds now computed inside a norm kernel, one line per add.
         fused_qk: the attention modules whose query and key norms and rotary embedding now run as one
-            ``qk_norm_rope`` launch, one line each naming the norms and the RoPE function.
+            ``qk_norm_rope`` launch (``qk_rope_norm``: the RoPE first), one line each naming the norms and the RoPE
+            function.
         skipped: ``(qualified name, reason)`` for every norm-like module left alone, every decoder layer
             whose residual adds stay unfused, and every attention module with two patched norms whose q/k norms
             and RoPE stay apart (its reason starts with ``QK_APART``; ``qk_apart`` lists those).

@@ -38,13 +38,12 @@ def fused_ropes(model: nn.Module) -> list[tuple[dict, str, Callable]]:
     launch: ``(the modeling module's namespace, the function's name, its norm-free stand-in)``, each once (the
     stand-in returns the query and key, or the one tensor of a one-tensor site's function)."""
     from ..patch.qk_attention import QKAttentionKind
-    from ..patch.qk_sites import QKSite
 
     found: dict[tuple[int, str], tuple[dict, str, Callable]] = {}
     for module in model.modules():
         kind = type(module).__dict__.get("_hf_rmsnorm_kind")
-        if isinstance(kind, QKAttentionKind):
-            stand_in = _rope_pass_through if isinstance(kind.site, QKSite) else _one_tensor_rope_pass_through
+        if isinstance(kind, QKAttentionKind):  # a tuple of one-tensor sites, or one site of q and k
+            stand_in = _one_tensor_rope_pass_through if isinstance(kind.site, tuple) else _rope_pass_through
             found[id(kind.rope.__globals__), kind.rope_name] = (kind.rope.__globals__, kind.rope_name, stand_in)
     return list(found.values())
 

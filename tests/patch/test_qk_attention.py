@@ -17,13 +17,15 @@ from qk_toys import (
     GemmaAttention,
     OlmoAttention,
     OneTensorAttention,
+    OppositeAngleAttention,
     PartialRotaryAttention,
     QwenAttention,
+    RopeFirstAttention,
     toy_attention_model,
     toy_inputs,
 )
 from hf_rmsnorm import patch_model, unpatch_model
-from hf_rmsnorm.patch import qk_probe
+from hf_rmsnorm.patch import qk_probe, qk_runtime, qk_sites
 from hf_rmsnorm.patch.qk_attention import UNFUSED
 
 
@@ -139,6 +141,134 @@ def test_one_tensor_statements_of_another_form_run_as_written(attention, monkeyp
     assert launches[0] == 0 and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("attention, label", [
+    (RopeFirstAttention, "apply_rotary_pos_emb at line {line}, then q_norm, k_norm (per head) -> one qk_rope_norm "
+                         "launch (full rotary)"),
+    (OppositeAngleAttention, "opposite_rotary_pos_emb at line {line}, then q_norm, k_norm (per head) -> one "
+                             "qk_rope_norm launch (full rotary, the opposite angle)"),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_rope_before_the_norms_runs_one_launch_and_computes_as_unpatched(attention, label, dtype, monkeypatch):
+    """HunYuan's and NanoChat's order (``qk_sites``' "The RoPE before the norms"), the norms' statements in either
+    order: one ``qk_rope_norm`` launch, the output the unpatched one's to the norms' rounding (bitwise in half
+    precision on these rows); pickled, the kind probes its function again; a hook on a norm runs the original."""
+    model = toy_attention_model(attention, dtype)
+    expected = _run(model, dtype)
+    report = patch_model(model)
+    assert report.fused_qk == [f"attention: {label.format(line=_rope_line(attention))}"]
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model, dtype)
+        assert torch.equal(_run(pickle.loads(pickle.dumps(model)), dtype), got)
+    assert launches[0] == 2
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 0.0, torch.float16: 0.0}[dtype]
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+    seen = []
+    model.attention.q_norm.register_forward_hook(lambda module, args, output: seen.append(output))
+    with counting_launches(monkeypatch) as launches:
+        hooked = _run(model, dtype)
+    assert launches[0] == 0 and len(seen) == 1
+    assert (hooked.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+    unpatch_model(model)
+    assert type(model.attention) is attention and torch.equal(_run(model, dtype), expected)
+
+
+def test_the_rope_before_the_norms_runs_as_written_where_a_call_cannot_fuse(monkeypatch):
+    """Tables that require a gradient (which the kernels do not compute): the RoPE, then the norms in the
+    forward's order (the keys' first here), as unpatched."""
+    model = toy_attention_model(OppositeAngleAttention)
+    hidden, (cos, sin) = toy_inputs()
+    cos.requires_grad_(True)
+    expected = model(hidden, (cos, sin))
+    patch_model(model)
+    order = []
+    for name in ("q_norm", "k_norm"):
+        getattr(model.attention, name).register_forward_pre_hook(lambda module, args, name=name: order.append(name))
+    monkeypatch.setattr(qk_runtime, "_watched", lambda attention, paths: False)  # the hooks only record the order
+    with counting_launches(monkeypatch) as launches:
+        got = model(hidden, (cos, sin))
+    assert launches[0] == 0 and order == ["k_norm", "q_norm"]
+    assert torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+class _RopeFirstStatementBetween(QwenAttention):
+    """The RoPE first, a statement between it and the norms."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = qk_toys.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(key_states)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _RopeFirstCrossedNorms(QwenAttention):
+    """The RoPE first, the keys' norm given the queries."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = qk_toys.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        query_states = self.q_norm(query_states)
+        key_states = self.k_norm(query_states[:, : key_states.shape[1]])
+        return self.attend(query_states, key_states, value_states)
+
+
+class _RopeFirstInALoop(QwenAttention):
+    """The RoPE and the norms inside a loop (which could run them again with other values)."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        for _ in range(1):
+            query_states, key_states = qk_toys.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
+        return self.attend(query_states, key_states, value_states)
+
+
+@pytest.mark.parametrize("attention", [_RopeFirstStatementBetween, _RopeFirstCrossedNorms, _RopeFirstInALoop])
+def test_rope_first_statements_of_another_form_run_as_written(attention, monkeypatch):
+    """Only ``Q, K = F(Q, K, C, S)`` directly followed by ``Q = self.q_norm(Q)`` and ``K = self.k_norm(K)``, in a
+    block of the forward's body or of its ``if`` statements, is a RoPE-first site: the attention is left as
+    written, with the reason."""
+    model = toy_attention_model(attention)
+    expected = _run(model)
+    report = patch_model(model)
+    assert not report.fused_qk and _qk_skips(report)[0].endswith(qk_sites.NO_ROPE_FIRST), report
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model)
+    assert launches[0] == 0 and torch.allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_rope_first_training_gradients_match_unpatched(monkeypatch):
+    grads = {}
+    for label in ("eager", "patched"):
+        model = toy_attention_model(OppositeAngleAttention, torch.float32).train()
+        if label == "patched":
+            patch_model(model)
+        hidden, trig = toy_inputs()
+        with counting_launches(monkeypatch) as launches:
+            model(hidden, trig).square().sum().backward()
+        assert launches[0] == (label == "patched")
+        grads[label] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["eager"].items():
+        scale = grad.abs().max().item()
+        assert (grads["patched"][name] - grad).abs().max().item() <= 1e-4 * scale, name
+
+
 def _line(cls, text: str) -> int:
     import inspect
     lines, start = inspect.getsourcelines(cls.forward)
@@ -185,8 +315,16 @@ def test_the_probe_refuses_other_ropes(function, reason):
 def test_the_probe_accepts_hugging_faces_rope_in_every_dtype_pair():
     verdict = qk_probe.probe_rope(qk_toys.apply_rotary_pos_emb)
     assert {pair for pair, cast in verdict.dtypes} == set(qk_probe.DTYPE_PAIRS)
-    assert not any(cast for _, cast in verdict.dtypes) and not verdict.partial
+    assert not any(cast for _, cast in verdict.dtypes) and not verdict.partial and not verdict.negate_sin
     assert qk_probe.probe_rope(qk_toys.partial_rotary_pos_emb).partial
+
+
+def test_the_probe_finds_the_opposite_angle_of_nanochats_rope():
+    from transformers.models.nanochat import modeling_nanochat
+
+    for function in (qk_toys.opposite_rotary_pos_emb, modeling_nanochat.apply_rotary_pos_emb):
+        verdict = qk_probe.probe_rope(function)
+        assert verdict.negate_sin and {pair for pair, _ in verdict.dtypes} == set(qk_probe.DTYPE_PAIRS)
 
 
 def test_olmo2s_rope_casting_back_is_probed_so():

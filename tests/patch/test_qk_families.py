@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import types
 import warnings
 
@@ -39,15 +40,21 @@ def test_the_report_lists_each_attention_fused(name):
         f"; q/k norms fused with the RoPE in {CASES[name].qk} {modules} (0 left apart)")
 
 
-@pytest.mark.parametrize("name", ["nanochat"])
-def test_q_k_norms_of_another_order_are_reported(name):
-    """NanoChat applies its RoPE before the norms."""
-    report = patch_model(_model(name))
-    assert not report.fused_qk
-    apart = [(module, reason) for module, reason in report.skipped if reason.startswith(UNFUSED)]
-    assert apart and report.qk_apart == apart
-    assert str(report).splitlines()[0].endswith(
-        f"; q/k norms fused with the RoPE in 0 attention modules ({len(apart)} left apart)")
+@pytest.mark.parametrize("name, label", [
+    ("nanochat", "apply_rotary_pos_emb at line {line}, then q_norm, k_norm (per head) -> one qk_rope_norm launch "
+                 "(full rotary, the opposite angle)"),
+    ("hunyuan_v1_dense", "apply_rotary_pos_emb at line {line}, then query_layernorm, key_layernorm (per head) -> one "
+                         "qk_rope_norm launch (full rotary)"),
+])
+def test_the_rope_before_the_norms_is_one_launch(name, label):
+    """NanoChat and HunYuan rotate, then normalise (NanoChat by the opposite angle: its rotate_half returns
+    ``(x2, -x1)``): the report names the order; the fp32 logits are the unpatched model's (the parity test)."""
+    model = _model(name)
+    report = patch_model(model)
+    attention = type(model.model.layers[0].self_attn).__mro__[1]
+    source, first = inspect.getsourcelines(attention.forward)
+    line = first + next(i for i, text in enumerate(source) if "= apply_rotary_pos_emb(" in text)
+    assert report.fused_qk == [f"model.layers.{i}.self_attn: {label.format(line=line)}" for i in range(2)]
 
 
 def _logits(model):
@@ -188,7 +195,7 @@ def _warnings_of_ours(caught: list[warnings.WarningMessage]) -> list[str]:
 
 # The fused operators a compiled patched layer records: the q/k one, and Gemma 3's sandwich (norm, add and norm).
 COMPILED_OPERATORS = {"qwen3": ("qk_norm_rope_fwd",), "olmo2": ("qk_norm_rope_fwd",),
-                      "gemma3_text": ("qk_norm_rope_fwd", "norm_add_norm_fwd")}
+                      "gemma3_text": ("qk_norm_rope_fwd", "norm_add_norm_fwd"), "nanochat": ("qk_norm_rope_fwd",)}
 
 
 @pytest.mark.parametrize("name", list(COMPILED_OPERATORS))
@@ -238,7 +245,8 @@ def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> collections.Counter[
         with monkeypatch.context() as patch, torch.no_grad():
             for method in ("norm", "fused_add_norm", "norm_add", "norm_add_norm"):
                 patch.setattr(BoundNorm, method, counter.count_kernels(getattr(BoundNorm, method)))
-            patch.setattr(qk_runtime, "qk_norm_rope", counter.count_kernels(qk_runtime.qk_norm_rope))
+            for name_ in ("qk_norm_rope", "qk_rope_norm"):
+                patch.setattr(qk_runtime, name_, counter.count_kernels(getattr(qk_runtime, name_)))
             with counter:
                 model(input_ids())
         totals[depth] = counter.counts
@@ -251,8 +259,10 @@ def _layer_ops(name: str, monkeypatch, *, fuse_qk: bool) -> collections.Counter[
 # kernel in a layout for which SDPA copies its output (a clone); its count includes 5 ops of SDPA's repeat_kv and
 # mask (2 clone, 2 scalar_tensor, 1 where); and two more again, in either count: its post-attention norm, the add
 # after it and the pre-feedforward norm of the sum are one launch (``norm_add_norm``), and so are its
-# post-feedforward norm, the layer's output add and the next layer's input norm (a handoff).
-LAYER_OPS = {"qwen3": (26, 15), "gemma3_text": (32, 20), "olmo2": (28, 17)}
+# post-feedforward norm, the layer's output add and the next layer's input norm (a handoff). NanoChat rotates,
+# then normalises (no weight): 2 norm kernels and 10 aten ops (its RoPE's 8: mul, neg, cat, add for each, of which the
+# products by sin and cos are 4 mul; its attention's clone of the heads SDPA copies, as Gemma 3's) become 1 launch.
+LAYER_OPS = {"qwen3": (26, 15), "gemma3_text": (32, 20), "olmo2": (28, 17), "nanochat": (26, 14)}
 
 
 @pytest.mark.parametrize("name", list(LAYER_OPS))
