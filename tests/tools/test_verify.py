@@ -545,3 +545,23 @@ def test_norm_free_oracle_makes_a_one_tensor_rope_return_its_input():
     with norm_free(model, norms, ropes):
         assert modeling_gemma4.apply_rotary_pos_emb(x, None, None, unsqueeze_dim=2) is x
     assert modeling_gemma4.apply_rotary_pos_emb is rope
+
+
+def test_norm_free_oracle_makes_a_rope_before_the_norms_return_its_inputs():
+    """NanoChat rotates, then normalises (one qk_rope_norm launch): its function of q and k returns them."""
+    from patch_models import tiny_model
+    from transformers.models.nanochat import modeling_nanochat
+
+    from hf_rmsnorm.tools.norm_free import fused_ropes, norm_free
+
+    model = tiny_model("nanochat")
+    rope = modeling_nanochat.apply_rotary_pos_emb
+    norms = patch_model(model).norms
+    ropes = fused_ropes(model)
+    assert [(namespace, name) for namespace, name, _ in ropes] == [(modeling_nanochat.__dict__,
+                                                                    "apply_rotary_pos_emb")]
+    unpatch_model(model)
+    q, k = torch.randn(1, 2, 3, 32), torch.randn(1, 2, 3, 32)
+    with norm_free(model, norms, ropes):
+        assert modeling_nanochat.apply_rotary_pos_emb(q, k, None, None) == (q, k)
+    assert modeling_nanochat.apply_rotary_pos_emb is rope
