@@ -115,8 +115,8 @@ TRANSPOSE, VIEW = "transpose", "view"
 # The layouts of invariant 4: what may follow each norm (``OPS``), and whether the norm is per head.
 LAYOUTS = {(): True, (TRANSPOSE,): True, (VIEW, TRANSPOSE): False}
 # Why a forward has no site of the other order (``rope_first_site``), said after why it has none of the first.
-NO_ROPE_FIRST = ("nor is one directly followed by Q = self.q_norm(Q) and K = self.k_norm(K) in a block of the "
-                 "forward's body or of its if statements (the RoPE before the norms)")
+NO_ROPE_FIRST = ("and no statement Q, K = F(Q, K, cos, sin) is directly followed by Q = self.q_norm(Q) and K = "
+                 "self.k_norm(K) in a block of the forward's body or of its if statements (the RoPE before the norms)")
 
 
 @dataclass(frozen=True)
