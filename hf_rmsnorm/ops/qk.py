@@ -103,7 +103,8 @@ def _setup(ctx, inputs, output):
     q, k, q_weight, k_weight, cos, sin, _q_eps, _k_eps, mode, per_head, *rotation = inputs
     ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, output[2])
     ctx.mode, ctx.per_head = mode, per_head
-    # The op's defaults where a caller leaves them out: the norms first, the angle as given.
+    # The op's defaults where a caller leaves them out (eager dispatch fills them in, a compiled graph's trace does
+    # not: tests/trace_qk_ops.py): the norms first, the angle as given.
     ctx.rope_first, ctx.negate_sin = (*rotation, False, False)[:2]
     # The statistics' gradient (never used) then arrives as None instead of materialised zeros.
     ctx.set_materialize_grads(False)
