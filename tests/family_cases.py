@@ -113,6 +113,12 @@ CASES: dict[str, FamilyCase] = {
     "glm4": FamilyCase("glm4", {RECOGNISED}, norms=9, adds=4),
     "olmo2": FamilyCase("olmo2", {RECOGNISED}, norms=9, adds=4, qk=2),
     "olmo3": FamilyCase("olmo3", {RECOGNISED}, norms=9, adds=4, mode="fp32_affine", qk=2),
+    # OLMoE's q/k site is split at its ``if clip_qkv`` (skipped where the site fuses), GLM-4.5's at its ``if
+    # use_qk_norm`` (holding the norms; off in the config's defaults, on in the released checkpoints).
+    "olmoe": FamilyCase("olmoe", {RECOGNISED}, dict(num_experts=4, num_experts_per_tok=2), norms=9, adds=4, qk=2),
+    "glm4_moe": FamilyCase("glm4_moe", {RECOGNISED}, dict(
+        use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        n_shared_experts=1, partial_rotary_factor=0.5), norms=9, adds=4, mode="llama", qk=2),
     "gpt_oss": FamilyCase("gpt_oss", {RECOGNISED}, dict(num_local_experts=4, num_experts_per_tok=2), norms=5,
                           adds=4),
     # A sliding layer, whose attention applies the RoPE, and a global one, which skips it (an if around the RoPE): both

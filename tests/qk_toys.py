@@ -1,8 +1,8 @@
 """Toy attention modules for the fused q/k norms + RoPE tests (``tests/patch/test_qk_attention.py``): the three
 layouts of the real families (Qwen3's norm per head before the transpose, Gemma 3's after it, OLMo 2's over the
-whole projection), look-alikes breaking each invariant of ``hf_rmsnorm.patch.qk_sites``, and RoPE functions the
-probe must accept or refuse. Each toy model is one attention between an input and a final norm, so patch_model has
-its usual norms to patch."""
+whole projection; GLM-4.5's norms and OLMoE's clamps under an ``if``), look-alikes breaking each invariant of
+``hf_rmsnorm.patch.qk_sites``, and RoPE functions the probe must accept or refuse. Each toy model is one attention
+between an input and a final norm, so patch_model has its usual norms to patch."""
 
 from __future__ import annotations
 
@@ -213,6 +213,55 @@ class PartialRotaryAttention(QwenAttention):
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         query_states, key_states = partial_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class NormsUnderIfAttention(QwenAttention):
+    """GLM-4.5's layout: the norms per head under ``if self.use_qk_norm:``, the transposes and the RoPE after it."""
+
+    use_qk_norm = True
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape)
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape)
+        if self.use_qk_norm:
+            query_states = self.q_norm(query_states)
+            key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class ClampIfAttention(QwenAttention):
+    """OLMoE's layout: OLMo 2's whole-projection norms, then ``if self.clip_qkv is not None:`` clamping the normed
+    values in place, then the views and the RoPE."""
+
+    clip_qkv = None
+
+    def __init__(self) -> None:
+        super().__init__(whole=True)
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        if self.clip_qkv is not None:
+            query_states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+            key_states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+            value_states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
         return self.attend(query_states, key_states, value_states)
 
 

@@ -30,6 +30,9 @@ from .instance_forwards import instance_problem, tensor_parallel_planned
 from .qk_probe import RopeVerdict, probe_one_tensor_rope, probe_rope
 from .qk_sites import (
     NO_ROPE_FIRST,
+    NORMS_UNDER_IF,
+    ROPE_UNDER_IF,
+    SKIPPED_IF,
     OnePlan,
     OneSite,
     QKSite,
@@ -38,6 +41,7 @@ from .qk_sites import (
     SitePlan,
     module_calls,
     one_sites,
+    peel,
     qk_site,
     rope_first_site,
 )
@@ -195,18 +199,23 @@ def fused_attention_forward(base: type, kind: QKAttentionKind) -> Callable[..., 
 def _rewrite(plan: SitePlan, me: str) -> None:
     """Each norm statement -> ``_hf_rmsnorm_<q|k> = <its argument>``, each ``Q = OPS(Q)`` -> ``pass``, the RoPE's
     call -> ``norm_rope(self, self.q_norm, self.k_norm, F, <inputs>, C, S, <view args>)`` (``qk_runtime``); an ``if``
-    around it gets ``else: Q, K = norms_apart(self, self.q_norm, self.k_norm, <inputs>, <view args>)``; the inputs
-    deleted after it; every new node located at the code it stands for."""
-    statements = plan.statements
+    around it gets ``else: Q, K = norms_apart(self, self.q_norm, self.k_norm, <inputs>, <view args>)``, an ``if`` the
+    site skips runs first the norm statements and ``Q = OPS(Q)`` before it, as written but for the norms' arguments
+    (``_hf_rmsnorm_<q|k>``); the inputs deleted after the RoPE; every new node located at the code it stands for."""
     rope_statement = plan.rope_statement
     call = rope_statement.value
-    views = []
+    role = plan.site.branch_role
+    views, before_skipped = [], []
     for chain, name in ((plan.q, _INPUTS[0]), (plan.k, _INPUTS[1])):
-        norm_statement = statements[chain.index]
-        statements[chain.index] = located(ast.Assign([ast.Name(name, ast.Store())], chain.call.args[0]),
-                                          norm_statement)
+        block, at = plan.slot(chain.index)
+        norm_statement = block[at]
+        if role == SKIPPED_IF:
+            before_skipped += [(chain.index, _reading(norm_statement, name))] + [
+                (j, copy.deepcopy(plan.statements[j])) for j in chain.dropped if j < plan.rope_index]
+        block[at] = located(ast.Assign([ast.Name(name, ast.Store())], chain.call.args[0]), norm_statement)
         for j in chain.dropped:
-            statements[j] = located(ast.Pass(), statements[j])
+            block, at = plan.slot(j)
+            block[at] = located(ast.Pass(), block[at])
         view = chain.view.args if chain.view is not None else []
         views.append(located(ast.Tuple(list(view), ast.Load()), call))
     attention = ast.Name(me, ast.Load())
@@ -214,11 +223,22 @@ def _rewrite(plan: SitePlan, me: str) -> None:
     inputs = [ast.Name(name, ast.Load()) for name in _INPUTS]
     rope_statement.value = located(helper_call("norm_rope", attention, *norms, call.func, *inputs, call.args[2],
                                                 call.args[3], *views), call)
-    if plan.branch is not None:
+    if role == ROPE_UNDER_IF:
         apart = helper_call("norms_apart", attention, *norms, *inputs, *views)
         plan.branch.orelse = [located(ast.Assign(copy.deepcopy(rope_statement.targets), apart), plan.branch)]
-    statements.insert(plan.rope_index + 1, located(
-        ast.Delete([ast.Name(name, ast.Del()) for name in _INPUTS]), rope_statement))
+    elif role == SKIPPED_IF:
+        plan.branch.body[:0] = [statement for _, statement in sorted(before_skipped, key=lambda pair: pair[0])]
+    # Where the norms run under the if, the inputs exist in its body alone.
+    block, at = (plan.arm, len(plan.arm)) if role == NORMS_UNDER_IF else (plan.statements, plan.rope_index + 1)
+    block.insert(at, located(ast.Delete([ast.Name(name, ast.Del()) for name in _INPUTS]), rope_statement))
+
+
+def _reading(norm_statement: ast.Assign, name: str) -> ast.Assign:
+    """A copy of ``Q = OPS(self.q_norm(A))`` reading its norm's input from ``name``."""
+    statement = copy.deepcopy(norm_statement)
+    base, _ = peel(statement.value)
+    base.args[0] = located(ast.Name(name, ast.Load()), base.args[0])
+    return statement
 
 
 def _rewrite_one(plan: OnePlan, me: str) -> None:

@@ -29,9 +29,10 @@ nothing. Each invariant below is checked; a forward breaking one keeps its norms
 says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attention).
 
 1. *The forward's own statements.* The norm statements, the statements ``Q = OPS(Q)`` and the RoPE statement are
-   statements of the forward's body itself, not inside an ``if`` (but for invariant 6's), loop, ``try`` or ``with``
-   (where they may not run, run again, or be observed by a handler after an exception), and ``self.q_norm(...)``
-   is the value of its statement (after ``OPS``): nothing else of that statement runs after the norm.
+   statements of the forward's body itself, not inside an ``if`` (but for invariants 6's and 7's), loop, ``try`` or
+   ``with`` (where they may not run, run again, or be observed by a handler after an exception), and
+   ``self.q_norm(...)`` is the value of its statement (after ``OPS``): nothing else of that statement runs after the
+   norm.
 2. *Nothing in between reads or rebinds the values.* Between the first norm statement and the RoPE call, ``Q`` and
    ``K`` (which no longer hold the normed values) are read by nothing but ``OPS`` statements and the RoPE call, and
    the names the whole-projection ``view`` reads, read again at the RoPE's statement, are plain locals nothing in
@@ -61,6 +62,22 @@ says which (``tests/patch/test_qk_attention.py`` breaks each with a toy attentio
    computes what the original computed: the norms run after the test instead of before it, and the test reads
    nothing they compute, changes nothing they read, and an exception it raises leaves what the original left (no
    norm had anything to leave), as for the statements in between.
+7. *A site split at an ``if``* (``_split_site``). Where the last ``if`` of the forward's body before the RoPE
+   statement names ``Q`` or ``K`` (and has no ``else``), the statements after it up to the RoPE's are moved into
+   both its blocks: ``if T: B`` then ``R`` is ``if T: B; R`` ``else: R``, the same code (statements run in the same
+   order with the same values whatever ``T`` gives, a ``return`` or ``raise`` in ``B`` skipping ``R`` as before).
+   The site is then sought, under invariants 1 to 5, among the statements one of the two blocks runs:
+
+   - *The norms under the ``if``* (GLM-4.5, Sarvam: ``if self.use_qk_norm:`` holding both norm statements, the
+     transposes and the RoPE after it): in its body, ``B`` then ``R``; the ``else`` runs ``R`` as written (no norm to
+     fuse). Nothing moves across the test.
+   - *An ``if`` the site skips* (OLMoE: ``if self.config.clip_qkv is not None:`` clamping the normed values in place
+     between the norms and the RoPE): in its ``else``, both norm statements before the ``if``; its test reads and
+     compares only (``tests_reads``) and names neither ``Q`` nor ``K``. The body first runs the norm statements and
+     ``Q = OPS(Q)`` before the ``if`` as written but for the norms' arguments, taken at their own statements (as the
+     site takes them), then ``B`` and ``R`` as written. Both blocks run the norms after the test instead of before
+     it, which holds as in invariant 6; the body runs them after the statements in between before the ``if`` too,
+     which holds as in invariant 3.
 
 **One tensor at a time** (``one_sites``). Gemma 3n and Gemma 4 normalise and rotate the queries and the keys each on
 its own, with a RoPE function of one tensor, the keys under the KV-sharing ``if``::
@@ -102,18 +119,32 @@ norm raises leaves what the original left (``rope_norm`` runs them as written wh
 from __future__ import annotations
 
 import ast
+import copy
 import types
 from dataclasses import dataclass
 
 from . import derived_source
 from .derived_sites import plain_locals
-from .derived_syntax import assigned_name, attribute_path, module_call, reads_only, self_name, tests_reads
+from .derived_syntax import (
+    assigned_name,
+    attribute_path,
+    located,
+    module_call,
+    reads_only,
+    self_name,
+    tests_reads,
+)
 
 # The methods whose calls only take views, allowed in the statements between the norms and the RoPE (invariant 3).
 _VIEW_METHODS = frozenset({"view", "transpose", "reshape"})
 TRANSPOSE, VIEW = "transpose", "view"
 # The layouts of invariant 4: what may follow each norm (``OPS``), and whether the norm is per head.
 LAYOUTS = {(): True, (TRANSPOSE,): True, (VIEW, TRANSPOSE): False}
+# The ``if`` of a site (``QKSite.branch_role``): its body ends with the RoPE (invariant 6), or the site is split at
+# it (invariant 7), its body holding the norms or skipped where the site fuses; each as the label says it.
+ROPE_UNDER_IF, NORMS_UNDER_IF, SKIPPED_IF = "rope", "norms", "skipped"
+BRANCH_ROLES = {ROPE_UNDER_IF: "under the if at line", NORMS_UNDER_IF: "with the norms, under the if at line",
+                SKIPPED_IF: "where the if does not run its body, at line"}
 # Why a forward has no site of the other order (``rope_first_site``), said after why it has none of the first.
 NO_ROPE_FIRST = ("and no statement Q, K = F(Q, K, cos, sin) is directly followed by Q = self.q_norm(Q) and K = "
                  "self.k_norm(K) in a block of the forward's body or of its if statements (the RoPE before the norms)")
@@ -124,7 +155,8 @@ class QKSite:
     """A q/k norm + RoPE site of an attention forward: the norms' attribute paths, the RoPE function's global name,
     the RoPE statement's line, whether the norms are per head (else over a token's heads together), ``OPS`` after
     each norm (``LAYOUTS``' keys), the paths of the modules called between the norms and the RoPE (guarded
-    as the norms are) and the line of the ``if`` whose body runs the RoPE (invariant 6; None: no ``if``)."""
+    as the norms are), the line of the ``if`` whose body runs the RoPE (invariant 6) or that the site is split at
+    (invariant 7; None: no ``if``) and which (``BRANCH_ROLES``' keys)."""
 
     q_norm: tuple[str, ...]
     k_norm: tuple[str, ...]
@@ -135,11 +167,12 @@ class QKSite:
     k_ops: tuple[str, ...]
     between: tuple[tuple[str, ...], ...]
     branch_line: int | None = None
+    branch_role: str | None = None
 
     @property
     def label(self) -> str:
         over = "per head" if self.per_head else "over each token's heads"
-        under = f" (under the if at line {self.branch_line})" if self.branch_line is not None else ""
+        under = "" if self.branch_line is None else f" ({BRANCH_ROLES[self.branch_role]} {self.branch_line})"
         return (f"{'.'.join(self.q_norm)}, {'.'.join(self.k_norm)} ({over}) and {self.rope} at line {self.line}"
                 f"{under}")
 
@@ -210,7 +243,8 @@ class _Chain:
 class SitePlan:
     """``QKSite`` and the nodes of the parse it was found in, which ``qk_attention`` rewrites in place:
     ``statements`` the forward's body, ``rope_index`` the index there of the RoPE statement or of the ``if``
-    (``branch``) whose body ends with it."""
+    (``branch``) one of whose blocks (``arm``) ends with it. The chains' indices count the statements as the site runs
+    them: ``statements`` up to ``rope_index``, then ``arm``'s (``slot``)."""
 
     site: QKSite
     statements: list[ast.stmt]
@@ -218,10 +252,17 @@ class SitePlan:
     q: _Chain
     k: _Chain
     branch: ast.If | None
+    arm: list[ast.stmt] | None
 
     @property
     def rope_statement(self) -> ast.Assign:
-        return self.branch.body[-1] if self.branch is not None else self.statements[self.rope_index]
+        return self.arm[-1] if self.arm is not None else self.statements[self.rope_index]
+
+    def slot(self, index: int) -> tuple[list[ast.stmt], int]:
+        """The block holding the site's ``index``-th statement, and its index there."""
+        if self.arm is not None and index >= self.rope_index:
+            return self.arm, index - self.rope_index
+        return self.statements, index
 
 
 def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
@@ -237,7 +278,8 @@ def module_calls(cls: type) -> frozenset[tuple[str, ...]]:
 def qk_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
             norms: frozenset[tuple[str, ...]]) -> SitePlan | str:
     """The q/k norm + RoPE site of ``function`` (a parse of ``forward``'s def of its own) whose norm calls are
-    ``self.<path>`` for ``path`` in ``norms``; or why there is none (the first invariant broken)."""
+    ``self.<path>`` for ``path`` in ``norms``; or why there is none (the first invariant broken). A site split at an
+    ``if`` (invariant 7) leaves ``function``'s body with the statements after that ``if`` moved into its two blocks."""
     statements = function.body
     me = self_name(function)
     plain = plain_locals(forward.undecorated.__code__, function)
@@ -247,7 +289,10 @@ def qk_site(forward: derived_source.ClassForward, function: ast.FunctionDef,
         rope = _rope_call(branch.body[-1] if branch is not None else statement, forward.undecorated.__code__)
         if rope is None:
             continue
-        found = _site_at(statements, r, rope, me, norms, plain, branch)
+        found = _site_at(statements, r, rope, me, norms, plain, branch, branch and ROPE_UNDER_IF)
+        split = _split_site(function, r, rope, me, norms, plain) if isinstance(found, str) and not branch else None
+        if split is not None:
+            found = split if isinstance(split, SitePlan) else f"{found}; split at an if: {split}"
         if isinstance(found, SitePlan):
             return found
         reasons.append(f"line {statement.lineno}: {found}")
@@ -349,15 +394,49 @@ def _rope_call(statement: ast.stmt, code: types.CodeType) -> tuple[str, str, str
     return value.func.id, q.id, k.id
 
 
+def _split_site(function: ast.FunctionDef, r: int, rope: tuple[str, str, str], me: str,
+                norms: frozenset[tuple[str, ...]], plain: frozenset[str]) -> SitePlan | str | None:
+    """The site whose RoPE is ``function.body[r]``, split at the last ``if`` before it naming ``Q`` or ``K``
+    (invariant 7): the statements after that ``if`` up to the RoPE go into both its blocks; a site is then sought in
+    the one without the ``if``'s own statements when the ``if`` calls no norm (``SKIPPED_IF``), in its body
+    otherwise (``NORMS_UNDER_IF``). None when there is no such ``if``."""
+    body = function.body
+    for i in range(r - 1, -1, -1):
+        guard = body[i]
+        if isinstance(guard, ast.If) and _names(guard, rope[1:]):
+            break
+    else:
+        return None
+    if guard.orelse:
+        return f"line {guard.lineno}: the if naming {' or '.join(rope[1:])} before the RoPE has an else (invariant 7)"
+    rest = body[i + 1:r + 1]
+    if any(module_call(node, me) in norms for node in ast.walk(guard)):
+        role, branch = NORMS_UNDER_IF, ast.If(guard.test, guard.body + rest, copy.deepcopy(rest))
+    else:
+        role, branch = SKIPPED_IF, ast.If(guard.test, guard.body + copy.deepcopy(rest), rest)
+    candidate = body[:i] + [located(branch, guard)] + body[r + 1:]
+    found = _site_at(candidate, i, rope, me, norms, plain, branch, role)
+    if isinstance(found, SitePlan):
+        function.body = candidate
+    return found
+
+
+def _names(node: ast.AST, names: tuple[str, ...]) -> list[str]:
+    return sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in names})
+
+
 def _site_at(body: list[ast.stmt], index: int, rope: tuple[str, str, str], me: str,
-             norms: frozenset[tuple[str, ...]], plain: frozenset[str], branch: ast.If | None) -> SitePlan | str:
-    """The site whose RoPE is ``body[index]``, or the last statement of ``branch`` (``body[index]``); the checks
-    run on the statements as they run up to the RoPE (``statements``), the branch's test apart (invariant 6)."""
+             norms: frozenset[tuple[str, ...]], plain: frozenset[str], branch: ast.If | None,
+             role: str | None) -> SitePlan | str:
+    """The site whose RoPE is ``body[index]``, or the last statement of a block of ``branch`` (``body[index]``,
+    its body but for ``SKIPPED_IF``); the checks run on the statements as they run up to the RoPE (``statements``),
+    the branch's test and the norms' place apart (invariants 6, 7)."""
     name, q_name, k_name = rope
-    statements = body[:index] + (branch.body if branch is not None else [body[index]])
+    arm = None if branch is None else branch.orelse if role == SKIPPED_IF else branch.body
+    statements = body[:index] + (arm if arm is not None else [body[index]])
     r = len(statements) - 1
-    if branch is not None:
-        problem = _branch_problem(branch, (q_name, k_name))
+    if branch is not None and role != NORMS_UNDER_IF:
+        problem = _branch_problem(branch, (q_name, k_name), role)
         if problem is not None:
             return problem
     chains = []
@@ -367,6 +446,10 @@ def _site_at(body: list[ast.stmt], index: int, rope: tuple[str, str, str], me: s
             return chain
         chains.append(chain)
     q, k = chains
+    if (role == NORMS_UNDER_IF and min(q.index, k.index) < index
+            or role == SKIPPED_IF and max(q.index, k.index) >= index):
+        where = "outside" if role == NORMS_UNDER_IF else "after"
+        return f"line {branch.lineno}: a norm is {where} the if naming {q_name} or {k_name} (invariant 7)"
     q_norm, k_norm = module_call(q.call, me), module_call(k.call, me)
     if q_norm == k_norm:
         return f"{q_name} and {k_name} go through the same norm self.{'.'.join(q_norm)}"
@@ -395,20 +478,24 @@ def _site_at(body: list[ast.stmt], index: int, rope: tuple[str, str, str], me: s
         if problem is not None:
             return problem
     site = QKSite(q_norm, k_norm, name, statements[r].lineno, LAYOUTS[q.ops], q.ops, k.ops,
-                  tuple(dict.fromkeys(between)), None if branch is None else branch.lineno)
-    return SitePlan(site, body, index, q, k, branch)
+                  tuple(dict.fromkeys(between)), None if branch is None else branch.lineno, role)
+    return SitePlan(site, body, index, q, k, branch, arm)
 
 
-def _branch_problem(branch: ast.If, names: tuple[str, str]) -> str | None:
-    """Invariant 6 for the ``if`` whose body ends with the RoPE statement (its other statements are checked as the
-    statements in between are)."""
+def _branch_problem(branch: ast.If, names: tuple[str, str], role: str) -> str | None:
+    """Invariants 6 and 7 for an ``if`` whose test the norms move across: its test reads and compares only and does
+    not name ``Q`` or ``K``, nor (invariant 6) do the body's statements before the RoPE, which are checked as the
+    statements in between are, too."""
     if not tests_reads(branch.test):
-        return (f"line {branch.lineno}: the RoPE runs under a test that does more than read and compare "
-                "(invariant 6)")
-    for node in (branch.test, *branch.body[:-1]):
-        named = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in names})
+        where = "the RoPE runs under" if role == ROPE_UNDER_IF else "the norms would move across"
+        return (f"line {branch.lineno}: {where} a test that does more than read and compare "
+                f"(invariant {6 if role == ROPE_UNDER_IF else 7})")
+    for node in (branch.test, *(branch.body[:-1] if role == ROPE_UNDER_IF else ())):
+        named = _names(node, names)
         if named:
-            return f"line {node.lineno}: the if around the RoPE names {', '.join(named)} before it (invariant 6)"
+            where = "the if around the RoPE names" if role == ROPE_UNDER_IF else "the if's test names"
+            return (f"line {node.lineno}: {where} {', '.join(named)} before it "
+                    f"(invariant {6 if role == ROPE_UNDER_IF else 7})")
     return None
 
 
@@ -426,7 +513,7 @@ def _chain(statements: list[ast.stmt], r: int, value: str, me: str,
                 and isinstance(statement.targets[0], ast.Name) and statement.targets[0].id == value):
             return (f"line {statement.lineno} names {value} otherwise than binding it to its norm's output or a "
                     "view of it (invariants 1, 2)")
-        base, step = _peel(statement.value)
+        base, step = peel(statement.value)
         if step is None:
             return (f"line {statement.lineno} applies to {value} something else than view and transpose(1, 2) "
                     "(invariant 4)")
@@ -448,7 +535,7 @@ def _chain(statements: list[ast.stmt], r: int, value: str, me: str,
     return f"{value} is bound by no norm statement before the RoPE (invariant 1)"
 
 
-def _peel(expr: ast.expr) -> tuple[ast.expr, list[tuple[str, ast.Call]] | None]:
+def peel(expr: ast.expr) -> tuple[ast.expr, list[tuple[str, ast.Call]] | None]:
     """``(base, [(kind, call), ...])`` for ``base.view(...).transpose(1, 2)...`` (ops in the order they apply);
     None as the list when a ``view`` reads more than names and constants (or a transpose is not (1, 2))."""
     step: list[tuple[str, ast.Call]] = []

@@ -14,7 +14,9 @@ import qk_toys
 from qk_generate import counting_launches
 from qk_toys import (
     HEAD_DIM,
+    ClampIfAttention,
     GemmaAttention,
+    NormsUnderIfAttention,
     OlmoAttention,
     OneTensorAttention,
     OppositeAngleAttention,
@@ -466,11 +468,12 @@ def test_the_fused_attention_keeps_state_dict_deepcopies_and_pickles():
         assert torch.equal(_run(twin), _run(model))
 
 
-def test_training_gradients_match_unpatched(monkeypatch):
+@pytest.mark.parametrize("attention", [QwenAttention, NormsUnderIfAttention, ClampIfAttention])
+def test_training_gradients_match_unpatched(attention, monkeypatch):
     torch.manual_seed(0)
     grads = {}
     for label in ("eager", "patched"):
-        model = toy_attention_model(QwenAttention, torch.float32).train()
+        model = toy_attention_model(attention, torch.float32).train()
         if label == "patched":
             patch_model(model)
         hidden, trig = toy_inputs()
@@ -484,23 +487,6 @@ def test_training_gradients_match_unpatched(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------- the invariants, broken
-
-
-class _BranchAttention(QwenAttention):
-    """1: the norms in a branch."""
-
-    def forward(self, hidden_states, position_embeddings):
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if self.head_dim:
-            query_states = self.q_norm(query_states)
-            key_states = self.k_norm(key_states)
-        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        return self.attend(query_states, key_states, value_states)
 
 
 class _ReadBetweenAttention(QwenAttention):
@@ -673,11 +659,135 @@ def test_a_rope_under_an_if_is_fused_where_it_runs_and_the_norms_run_apart_elsew
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+_SPLIT = [(NormsUnderIfAttention, "use_qk_norm", True, "with the norms, under the if at line"),
+          (NormsUnderIfAttention, "use_qk_norm", False, "with the norms, under the if at line"),
+          (ClampIfAttention, "clip_qkv", None, "where the if does not run its body, at line"),
+          (ClampIfAttention, "clip_qkv", 0.25, "where the if does not run its body, at line")]
+
+
+@pytest.mark.parametrize("attention, flag, value, label", _SPLIT,
+                         ids=[f"{cls.__name__}-{flag}={value}" for cls, flag, value, _ in _SPLIT])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_site_split_at_an_if_is_fused_where_it_runs(attention, flag, value, label, dtype, monkeypatch):
+    """Invariant 7: GLM-4.5's norms under ``if self.use_qk_norm:`` (one launch where it holds, neither norm nor
+    launch where it does not) and OLMoE's ``if self.clip_qkv is not None:`` clamping the normed values (one launch
+    where the clamps do not run, the statements as written where they do); the unpatched output either way, to the
+    norms' rounding (bitwise in bf16)."""
+    model = toy_attention_model(attention, dtype)
+    setattr(model.attention, flag, value)
+    expected = _run(model, dtype)
+    report = patch_model(model)
+    [fused] = report.fused_qk
+    assert f"at line {_rope_line(attention)} ({label} " in fused and fused.endswith("-> one qk_norm_rope launch "
+                                                                                    "(full rotary)")
+    with counting_launches(monkeypatch) as launches:
+        got = _run(model, dtype)
+    assert launches[0] == (value in (True, None))
+    tolerance = {torch.float32: 1e-6, torch.bfloat16: 0.0}[dtype]
+    assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+class _ElseAfterNormsAttention(ClampIfAttention):
+    """7: the if between the norms and the RoPE has an else."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        if self.clip_qkv is not None:
+            query_states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+        else:
+            key_states.clamp_(min=-1.0, max=1.0)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _ClampTestReadsQueriesAttention(ClampIfAttention):
+    """7: the skipped if's test reads the queries, normed before it only in the original."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        if query_states.dtype == torch.float16:
+            query_states.clamp_(min=-1.0, max=1.0)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _ClampCallingTestAttention(ClampIfAttention):
+    """7: the skipped if's test calls a function."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        if torch.is_grad_enabled():
+            query_states.clamp_(min=-1.0, max=1.0)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _NormAfterClampAttention(ClampIfAttention):
+    """7: the keys' norm after the skipped if."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states))
+        if self.clip_qkv is not None:
+            query_states.clamp_(min=-self.clip_qkv, max=self.clip_qkv)
+        key_states = self.k_norm(self.k_proj(hidden_states))
+        value_states = self.v_proj(hidden_states)
+        query_states = query_states.view(hidden_shape).transpose(1, 2)
+        key_states = key_states.view(hidden_shape).transpose(1, 2)
+        value_states = value_states.view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
+class _NormOutsideIfAttention(NormsUnderIfAttention):
+    """7: the queries' norm before the if holding the keys' norm."""
+
+    def forward(self, hidden_states, position_embeddings):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+        key_states = self.k_proj(hidden_states).view(hidden_shape)
+        value_states = self.v_proj(hidden_states).view(hidden_shape)
+        if self.use_qk_norm:
+            key_states = self.k_norm(key_states)
+        query_states = query_states.transpose(1, 2)
+        key_states = key_states.transpose(1, 2)
+        value_states = value_states.transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        return self.attend(query_states, key_states, value_states)
+
+
 apply_rotary_pos_emb, interleaved_rotary_pos_emb = qk_toys.apply_rotary_pos_emb, qk_toys.interleaved_rotary_pos_emb
 rotary_one = qk_toys.rotary_one
 
 _BROKEN = [
-    (_BranchAttention, "otherwise than binding it to its norm's output or a view of it (invariants 1, 2)"),
     (_ReadBetweenAttention, "names query_states otherwise than binding it"),
     (_RebindShapeAttention, "rebinds the view's hidden_shape before the RoPE (invariant 2)"),
     (_CallBetweenAttention, "more than module calls and views (invariant 3)"),
@@ -687,6 +797,12 @@ _BROKEN = [
     (_CallingTestAttention, "the RoPE runs under a test that does more than read and compare (invariant 6)"),
     (_TestReadsQueriesAttention, "the if around the RoPE names query_states before it (invariant 6)"),
     (_RopeWithElseAttention, "(invariants 1, 5, 6)"),
+    (_ElseAfterNormsAttention, "the if naming query_states or key_states before the RoPE has an else (invariant 7)"),
+    (_ClampTestReadsQueriesAttention, "the if's test names query_states before it (invariant 7)"),
+    (_ClampCallingTestAttention, "the norms would move across a test that does more than read and compare "
+                                 "(invariant 7)"),
+    (_NormAfterClampAttention, "a norm is after the if naming query_states or key_states (invariant 7)"),
+    (_NormOutsideIfAttention, "a norm is outside the if naming query_states or key_states (invariant 7)"),
 ]
 
 
