@@ -40,6 +40,14 @@ GLOBAL_REGISTER = {
 }
 
 
+def _pairs(kinds: list[tuple[str, str]]) -> list[tuple[str, str, str, str]]:
+    """``(family, scope, kind, when)``: each family with each hook kind once, registered before ``patch_model`` or
+    after it in turn, so that every family and every kind meets both moments (the full product would test each
+    family's fused sites against each kind twice over)."""
+    return [(family, scope, kind, ("before", "after")[(i + j) % 2])
+            for i, (scope, kind) in enumerate(kinds) for j, family in enumerate(FAMILIES)]
+
+
 def _scaled(value):
     # A tensor, or the first item of a layer's output tuple, times 1.5.
     return value * 1.5 if isinstance(value, torch.Tensor) else (value[0] * 1.5, *value[1:])
@@ -182,9 +190,8 @@ def _assert_as_unfused(runs: dict, family: str, fused_while_hooked: int) -> None
     assert runs["restored"][0] == CASES[family].adds
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("scope, kind", [("module", k) for k in MODULE_KINDS] + [("global", k) for k in GLOBAL_KINDS])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, scope, kind, when",
+                         _pairs([("module", k) for k in MODULE_KINDS] + [("global", k) for k in GLOBAL_KINDS]))
 def test_a_hook_on_a_norm_sees_the_unpatched_calls(family, scope, kind, when, monkeypatch):
     """A hook of the norm an inner add goes into (or a global one) turns that add off (every add, for a global
     hook): the norm is called on the sum, as unpatched."""
@@ -192,14 +199,12 @@ def test_a_hook_on_a_norm_sees_the_unpatched_calls(family, scope, kind, when, mo
     _assert_as_unfused(runs, family, CASES[family].adds - 1 if scope == "module" else 0)
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
-@pytest.mark.parametrize("kind", MODULE_KINDS)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_hook_on_a_layer_keeps_its_inner_adds_fused(family, kind, when, monkeypatch):
+@pytest.mark.parametrize("family, scope, kind, when", _pairs([("module", k) for k in MODULE_KINDS]))
+def test_a_hook_on_a_layer_keeps_its_inner_adds_fused(family, scope, kind, when, monkeypatch):
     """A hook of a layer sees the layer's arguments, output and gradients, which its fused inner adds do not
     change: they stay fused. Only the layer's output add, which the loop would hand to the next norm, stays apart
     (the hook would see the private arguments)."""
-    runs = _hooked_runs(family, "model.layers.0", kind, "module", when, monkeypatch)
+    runs = _hooked_runs(family, "model.layers.0", kind, scope, when, monkeypatch)
     _assert_as_unfused(runs, family, CASES[family].adds - 1)
 
 
