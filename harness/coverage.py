@@ -95,6 +95,8 @@ OVERRIDES: dict[str, dict] = {
     # Its attention reads the rope theta and the qkv clip from its attention config: the default has neither.
     "dbrx": dict(attn_config=dict(rope_theta=1e4, clip_qkv=8.0)),
     "dots1": dict(n_routed_experts=4, n_shared_experts=1),  # its default has MoE layers but no experts
+    # Its default leaves the q/k norms out; GLM-4.5, 4.6 and 4.7 as released have them (use_qk_norm true).
+    "glm4_moe": dict(use_qk_norm=True),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),  # its layers' kinds, as (pattern, repeats)
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # its default has no layer types
     "mamba2": dict(expand=1),  # heads x head dim must be expand x hidden: TINY's 4 x 16 = 1 x 64
