@@ -687,6 +687,29 @@ def test_a_site_split_at_an_if_is_fused_where_it_runs(attention, flag, value, la
     assert (got.float() - expected.float()).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("attention, flag, value, label", _SPLIT,
+                         ids=[f"{cls.__name__}-{flag}={value}" for cls, flag, value, _ in _SPLIT])
+def test_a_split_site_compiles_without_graph_breaks(attention, flag, value, label):
+    """torch.compile(fullgraph=True) traces the split site's ``if`` on the flag: the fused operator in the graph
+    where the site fuses, not where it does not; the unpatched output either way."""
+    model = toy_attention_model(attention)
+    setattr(model.attention, flag, value)
+    expected = _run(model)
+    patch_model(model)
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    hidden, trig = toy_inputs()
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, fullgraph=True)(hidden, trig)
+    assert any("qk_norm_rope_fwd" in graph for graph in graphs) == (value in (True, None))
+    assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
+
+
 class _ElseAfterNormsAttention(ClampIfAttention):
     """7: the if between the norms and the RoPE has an else."""
 
