@@ -1,6 +1,7 @@
-"""What the q/k norms + RoPE fusion's model tests share (``tests/patch/test_qk_families.py`` and the GPU-only
-``test_qk_offloaded_caches.py``): the tiny model of a family case, a count of the fused launches, greedy
-generation's tokens and logits, and the cache kinds."""
+"""What the q/k norms + RoPE fusion's model tests share (``tests/patch/test_qk_families.py``,
+``tests/patch/test_qk_attention.py`` and the GPU-only ``test_qk_offloaded_caches.py``): the tiny model of a family
+case, a count of the fused launches, the graphs torch.compile traces, greedy generation's tokens and logits, and the
+cache kinds."""
 
 from __future__ import annotations
 
@@ -22,6 +23,19 @@ CPU_CACHES = ["dynamic", "static", "paged"]
 GPU_CACHES = ["offloaded", "offloaded_static"]
 # Exaone 4: a layer without RoPE too; Gemma 4: the queries and keys rotated one at a time, a KV-sharing layer.
 GENERATE_QK = ["qwen3", "gemma3_text", "olmo2", "exaone4", "gemma4_text_qk"]
+
+
+def compiled_fullgraph(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """``model`` under ``torch.compile(fullgraph=True)`` with a backend that records each graph it is given (as text,
+    appended to the list returned) and runs it eagerly; Dynamo's caches reset first."""
+    graphs: list[str] = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True), graphs
 
 
 def qk_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):

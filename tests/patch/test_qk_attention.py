@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import qk_toys
-from qk_generate import counting_launches
+from qk_generate import compiled_fullgraph, counting_launches
 from qk_toys import (
     HEAD_DIM,
     ClampIfAttention,
@@ -696,16 +696,10 @@ def test_a_split_site_compiles_without_graph_breaks(attention, flag, value, labe
     setattr(model.attention, flag, value)
     expected = _run(model)
     patch_model(model)
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(str(graph_module.graph))
-        return graph_module.forward
-
-    torch._dynamo.reset()
+    compiled, graphs = compiled_fullgraph(model)
     hidden, trig = toy_inputs()
     with torch.no_grad():
-        got = torch.compile(model, backend=backend, fullgraph=True)(hidden, trig)
+        got = compiled(hidden, trig)
     assert any("qk_norm_rope_fwd" in graph for graph in graphs) == (value in (True, None))
     assert (got - expected).abs().max().item() <= 1e-6 * expected.abs().max().item()
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from family_cases import CASES
 from patch_models import OpCounter, Parity, assert_patch_keeps_greedy_tokens, input_ids, training_step
-from qk_generate import CPU_CACHES, GENERATE_QK, counting_launches
+from qk_generate import CPU_CACHES, GENERATE_QK, compiled_fullgraph, counting_launches
 from qk_generate import generated as _generated
 from qk_generate import qk_model as _model
 from torch.utils._python_dispatch import _disable_current_modes
@@ -203,14 +203,7 @@ def test_torch_compile_fullgraph_calls_the_fused_operator(name):
     model = _model(name)
     expected = _logits(model)
     patch_model(model)
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(str(graph_module.graph))
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled, graphs = compiled_fullgraph(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _logits(compiled)
