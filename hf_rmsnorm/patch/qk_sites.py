@@ -130,6 +130,7 @@ from .derived_syntax import (
     attribute_path,
     located,
     module_call,
+    named,
     reads_only,
     self_name,
     tests_reads,
@@ -422,7 +423,7 @@ def _split_site(function: ast.FunctionDef, r: int, rope: tuple[str, str, str], m
 
 
 def _names(node: ast.AST, names: tuple[str, ...]) -> list[str]:
-    return sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in names})
+    return sorted(name for name in set(names) if named(node, name))
 
 
 def _site_at(body: list[ast.stmt], index: int, rope: tuple[str, str, str], me: str,
