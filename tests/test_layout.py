@@ -149,3 +149,20 @@ def test_the_oldest_releases_tested_are_pyprojects_lower_bounds():
     # torch: see the file; the test tools and optional extras are not part of what is claimed to work.
     claimed = set(lower_bounds) - {"torch", "pytest", "pytest-timeout", "pytest-xdist", "gguf", "matplotlib"}
     assert claimed <= set(pins), claimed - set(pins)
+
+
+def test_the_readme_states_pyprojects_python_and_torch_ranges():
+    """The README's set-up section names the Python and torch releases pyproject.toml admits, ``>=A,<B`` read as
+    "A to" the release before B, so that what users are told is what pip lets them install."""
+    import re
+    import tomllib
+
+    root = PACKAGE.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    torch_spec = next(r for r in project["dependencies"] if r.startswith("torch"))
+    readme = " ".join((root / "README.md").read_text().split())
+    for spec, name in ((project["requires-python"], "CPython"), (torch_spec, "torch")):
+        bounds = re.fullmatch(r"[a-z]*>=([\d.]+),<(\d+)\.(\d+)", spec)
+        assert bounds, f"{spec!r}: a range of the tested releases is written >=A,<B"
+        low, major, minor = bounds.groups()
+        assert f"{name} {low} to {major}.{int(minor) - 1}" in readme, (spec, name)
