@@ -1,5 +1,6 @@
 """Where the checkout's files are, and how the tests launch scripts and multi-process runs: a free port, a
-subprocess run that must succeed, ``accelerate launch`` from this environment."""
+subprocess run that must succeed, ``accelerate launch`` from this environment, and a launch's outputs made once in a
+test session."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
@@ -46,3 +51,22 @@ def accelerate_ddp(mixed_precision: str = "no") -> list[str]:
         *accelerate_launch(), "--multi_gpu", "--num_processes", "2", "--mixed_precision", mixed_precision,
         "--main_process_port", str(free_port()),
     ]
+
+
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, fill: Callable[[Path], object]) -> Path:
+    """The folder ``name`` that ``fill`` writes once in this test session: the first pytest-xdist worker to ask
+    fills it, the others wait for it and read what it holds. A module-scoped fixture is set up again by every
+    worker its tests are spread over, and by one worker whenever it comes back to the module after another module's
+    tests: for a training launch, tens of seconds each time. A ``fill`` that fails leaves the next asker to try again.
+    """
+    base = tmp_path_factory.getbasetemp()
+    # Each xdist worker has its own basetemp in the session's; without xdist the session's is basetemp itself.
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    filled = folder / ".filled"
+    with FileLock(f"{folder}.lock"):
+        if not filled.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            fill(folder)
+            filled.touch()
+    return folder

@@ -8,12 +8,13 @@ the graphs AOTAutograd hands to inductor, with torch's own analysis of which arg
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
-from launching import TESTS
+from launching import TESTS, once_per_session
 
 from hf_rmsnorm import fused_add_rms_norm, rms_norm
 from hf_rmsnorm.ops import functional, launch, library
@@ -46,11 +47,16 @@ KERNEL_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def traced() -> dict:
+def _trace(out: Path) -> None:
     result = subprocess.run([sys.executable, str(TRACE_SCRIPT)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    (out / "traced.json").write_text(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory) -> dict:
+    """What trace_compiled_ops.py printed, traced once in a session."""
+    return json.loads((once_per_session(tmp_path_factory, "traced-ops", _trace) / "traced.json").read_text())
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer
-from launching import ROOT, TESTS, accelerate_ddp, run_checked
+from launching import ROOT, TESTS, accelerate_ddp, once_per_session, run_checked
 from trainer_run import (
     BATCH,
     RUNS,
@@ -67,10 +67,10 @@ def _expected_kernel_calls(n_norms: int, n_layers: int, checkpointing: bool, n_q
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory) -> dict:
     """Every run of trainer_run.py (Trainer on two families, SFTTrainer), unpatched and patched, in one 2-process
-    launch."""
-    out = tmp_path_factory.mktemp("trainer") / "runs.json"
-    run_checked([*accelerate_ddp(), str(TESTS / "trainer_run.py"), str(out)], ROOT)
-    return json.loads(out.read_text())
+    launch, made once in a session."""
+    out = once_per_session(tmp_path_factory, "trainer-ddp-runs", lambda folder: run_checked(
+        [*accelerate_ddp(), str(TESTS / "trainer_run.py"), str(folder / "runs.json")], ROOT))
+    return json.loads((out / "runs.json").read_text())
 
 
 @pytest.mark.slow

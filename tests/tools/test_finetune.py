@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from finetune_samples import sample_metrics
-from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, run_checked
+from launching import ROOT, SCRIPTS, accelerate_ddp, accelerate_launch, once_per_session, run_checked
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import (
@@ -329,10 +329,17 @@ def test_throughput_and_step_time_leave_the_first_step_out():
 
 
 def _finetune(launcher: list[str], out: Path, extra: list[str]) -> tuple[FinetuneMetrics, str]:
-    """Runs the script; returns the metrics it wrote (read back from --metrics-json) and its stdout."""
+    """Runs the script into ``out``; returns the metrics it wrote and its stdout (``_finished``)."""
     metrics = out.with_suffix(".json")
     proc = run_checked([*launcher, str(SCRIPT), "--output-dir", str(out), "--metrics-json", str(metrics), *extra], ROOT)
-    return FinetuneMetrics.from_dict(json.loads(metrics.read_text())), proc.stdout
+    out.with_suffix(".stdout").write_text(proc.stdout)
+    return _finished(out)
+
+
+def _finished(out: Path) -> tuple[FinetuneMetrics, str]:
+    """What ``_finetune``'s run into ``out`` left: its metrics (read back from --metrics-json) and its stdout."""
+    metrics = FinetuneMetrics.from_dict(json.loads(out.with_suffix(".json").read_text()))
+    return metrics, out.with_suffix(".stdout").read_text()
 
 
 def _assert_same_losses(patched: FinetuneMetrics, unpatched: FinetuneMetrics, rtol: float = FP32_LOSS_RTOL) -> None:
@@ -358,14 +365,22 @@ def _assert_same_training(
     return a
 
 
+def ddp_tiny_llama(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """The folder of the same 2-process CPU DDP fine-tune of tiny-llama, ``patched`` and ``unpatched``, run once
+    in a session (the FSDP tests compare their runs with the patched one too)."""
+
+    def fill(out: Path) -> None:
+        extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
+        _finetune(accelerate_ddp(), out / "patched", extra)
+        _finetune(accelerate_ddp(), out / "unpatched", [*extra, "--no-patch"])
+
+    return once_per_session(tmp_path_factory, "ddp-tiny-llama", fill)
+
+
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory, corpus):
-    """The same 2-process CPU DDP fine-tune of tiny-llama, patched and unpatched."""
-    out = tmp_path_factory.mktemp("ddp")
-    extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
-    patched = _finetune(accelerate_ddp(), out / "patched", extra)
-    unpatched = _finetune(accelerate_ddp(), out / "unpatched", [*extra, "--no-patch"])
-    return out, patched, unpatched
+    out = ddp_tiny_llama(tmp_path_factory, corpus)
+    return out, _finished(out / "patched"), _finished(out / "unpatched")
 
 
 @pytest.mark.slow

@@ -17,7 +17,9 @@ import torch
 from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
 from peft import AutoPeftModelForCausalLM, get_peft_model_state_dict
 from safetensors.torch import load_file
-from launching import LAUNCH_TIMEOUT_S, ROOT, accelerate_ddp, accelerate_launch, free_port, run_checked
+from launching import (
+    LAUNCH_TIMEOUT_S, ROOT, accelerate_ddp, accelerate_launch, free_port, once_per_session, run_checked,
+)
 from test_finetune import (  # the same folder: pytest puts it on sys.path
     BF16_LOSS_RTOL,
     RUN_ARGS,
@@ -25,8 +27,10 @@ from test_finetune import (  # the same folder: pytest puts it on sys.path
     _assert_same_losses,
     _assert_same_training,
     _finetune,
+    _finished,
     _load_script,
     corpus,  # noqa: F401  (a fixture)
+    ddp_tiny_llama,
 )
 
 from hf_rmsnorm import patch_model
@@ -103,20 +107,25 @@ def test_accelerates_own_fsdp_is_refused(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):  # noqa: F811
-    """2-process CPU runs of tiny-llama on the same data: FSDP2 patched and unpatched, and DDP patched."""
-    out = tmp_path_factory.mktemp("fsdp")
-    extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS]
-    fsdp, stdout = _finetune(accelerate_ddp(), out / "fsdp", [*extra, *FSDP])
+    """2-process CPU runs of tiny-llama on the same data, each made once in a session: FSDP2 patched and unpatched,
+    and DDP patched (test_finetune's). Returns their output folders and their metrics, by run."""
+
+    def fill(out: Path) -> None:
+        extra = ["--model", "tiny-llama", "--data", str(corpus), *RUN_ARGS, *FSDP]
+        _finetune(accelerate_ddp(), out / "fsdp", extra)
+        _finetune(accelerate_ddp(), out / "fsdp-unpatched", [*extra, "--no-patch"])
+
+    out = once_per_session(tmp_path_factory, "fsdp-tiny-llama", fill)
+    folders = {"fsdp": out / "fsdp", "fsdp-unpatched": out / "fsdp-unpatched",
+               "ddp": ddp_tiny_llama(tmp_path_factory, corpus) / "patched"}
+    finished = {name: _finished(folder) for name, folder in folders.items()}
     # The first line says how the run is sharded.
+    stdout = finished["fsdp"][1]
     assert stdout.splitlines()[0].startswith(
         "fine-tuning tiny-llama: 4 steps x 2 sequences x 32 tokens x 2 processes = 512 tokens on cpu, "
         "FSDP2 by torch fully_shard; norms: "
     ), stdout
-    return out, {
-        "fsdp": fsdp,
-        "fsdp-unpatched": _finetune(accelerate_ddp(), out / "fsdp-unpatched", [*extra, *FSDP, "--no-patch"])[0],
-        "ddp": _finetune(accelerate_ddp(), out / "ddp", extra)[0],
-    }
+    return folders, {name: metrics for name, (metrics, _) in finished.items()}
 
 
 def _assert_close_losses(a: FinetuneMetrics, b: FinetuneMetrics) -> None:
@@ -135,14 +144,14 @@ def test_each_process_holds_half_of_the_decoder(runs):
 
 @pytest.mark.slow
 def test_fsdp_trains_as_ddp_patched_or_not(runs):
-    out, metrics = runs
+    folders, metrics = runs
     assert metrics["fsdp"].patch.norms > 0 and metrics["fsdp-unpatched"].patch is None
     _assert_close_losses(metrics["fsdp"], metrics["fsdp-unpatched"])
     _assert_close_losses(metrics["fsdp"], metrics["ddp"])
     # The same updates as DDP, tensor by tensor: every norm weight gradient reached the optimizer.
     initial = build_preset("tiny-llama", seed=3).state_dict()
-    final = _assert_same_training(out / "fsdp", out / "ddp", "model.safetensors", initial)
-    _assert_same_training(out / "fsdp", out / "fsdp-unpatched", "model.safetensors", initial)
+    final = _assert_same_training(folders["fsdp"], folders["ddp"], "model.safetensors", initial)
+    _assert_same_training(folders["fsdp"], folders["fsdp-unpatched"], "model.safetensors", initial)
     norm_names = [name for name in final if name.endswith("norm.weight")]
     assert len(norm_names) == 2 * 2 + 1
     for name in norm_names:
@@ -151,7 +160,7 @@ def test_fsdp_trains_as_ddp_patched_or_not(runs):
 
 @pytest.mark.slow
 def test_saved_checkpoint_is_the_trained_model_for_plain_transformers(runs, tmp_path, corpus):  # noqa: F811
-    out, metrics = runs
+    folders, metrics = runs
     # The first packed sequence: the corpus's first 32 bytes, as byte-level tokens.
     first_sequence = list(corpus.read_bytes()[:32])
     # The trained (sharded) model's loss on it, recomputed from the saved files with hf_rmsnorm unimportable;
@@ -162,8 +171,8 @@ def test_saved_checkpoint_is_the_trained_model_for_plain_transformers(runs, tmp_
         "from transformers import AutoModelForCausalLM\n"
         f"ids = torch.tensor([{first_sequence}])\n"
         "result = {}\n"
-        "for name in ('fsdp', 'ddp'):\n"
-        f"    model = AutoModelForCausalLM.from_pretrained({str(out)!r} + '/' + name).eval()\n"
+        f"for name, folder in {({name: str(folders[name]) for name in ('fsdp', 'ddp')})!r}.items():\n"
+        "    model = AutoModelForCausalLM.from_pretrained(folder).eval()\n"
         "    with torch.no_grad():\n"
         "        output = model(input_ids=ids, labels=ids)\n"
         "    result[name] = {'loss': output.loss.item(), 'logits': output.logits.flatten().tolist(),\n"
