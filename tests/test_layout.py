@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,11 @@ from hf_rmsnorm.ops import backend
 PACKAGE = Path(hf_rmsnorm.__file__).resolve().parent
 # What each wing may import from the package: itself and the wings below it.
 ALLOWED = {"ops": {"ops"}, "patch": {"patch", "ops"}, "tools": {"tools", "patch", "ops"}}
+
+
+def _pyproject() -> dict:
+    """The checkout's pyproject.toml, parsed."""
+    return tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
 
 
 def _imports(path: Path) -> set[str]:
@@ -55,7 +62,6 @@ def test_the_harness_lives_outside_the_package_and_above_it():
     """The development harness (GPU suite, benchmarks, inspection, tuning, coverage) imports the package; no module
     of the package imports the harness, and the wheel's packages (pyproject's find rule) leave it out."""
     import fnmatch
-    import tomllib
 
     root = PACKAGE.parent
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -63,7 +69,7 @@ def test_the_harness_lives_outside_the_package_and_above_it():
     harness = sorted(p for p in (root / "harness").glob("*.py") if p.name != "__init__.py")
     assert len(harness) > 5 and not any((PACKAGE / "tools" / path.name).exists() for path in harness)
     # setuptools' find rule keeps the packages whose dotted names match an include pattern.
-    include = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    include = _pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]
     assert any(fnmatch.fnmatchcase("hf_rmsnorm.ops", pattern) for pattern in include)
     assert not any(fnmatch.fnmatchcase(name, pattern) for name in ("harness", "harness.gpu_suite")
                    for pattern in include)
@@ -132,13 +138,10 @@ def test_the_interpreter_refuses_a_numpy_its_triton_cannot_run_with():
 def test_the_oldest_releases_tested_are_pyprojects_lower_bounds():
     """The second half of the README's test command installs .ci/oldest.txt: its pins must be the lower bounds
     pyproject.toml states, or the range it claims is not the range tested."""
-    import re
-    import tomllib
-
     from packaging.version import Version
 
     root = PACKAGE.parent
-    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    project = _pyproject()["project"]
     requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     lower_bounds = dict(re.match(r"([\w-]+)>=([\d.]+)", r).groups() for r in requirements if ">=" in r)
     pins = dict(re.match(r"([\w-]+)==([\d.]+)", line).groups()
@@ -154,13 +157,9 @@ def test_the_oldest_releases_tested_are_pyprojects_lower_bounds():
 def test_the_readme_states_pyprojects_python_and_torch_ranges():
     """The README's set-up section names the Python and torch releases pyproject.toml admits, ``>=A,<B`` read as
     "A to" the release before B, so that what users are told is what pip lets them install."""
-    import re
-    import tomllib
-
-    root = PACKAGE.parent
-    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    project = _pyproject()["project"]
     torch_spec = next(r for r in project["dependencies"] if r.startswith("torch"))
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = " ".join((PACKAGE.parent / "README.md").read_text().split())
     for spec, name in ((project["requires-python"], "CPython"), (torch_spec, "torch")):
         bounds = re.fullmatch(r"[a-z]*>=([\d.]+),<(\d+)\.(\d+)", spec)
         assert bounds, f"{spec!r}: a range of the tested releases is written >=A,<B"
